@@ -1,0 +1,29 @@
+# Set-up is part of every target: a fresh clone needs only `make test` or `make demo`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: setup test demo fuzz bench clean
+
+$(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/_build.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+fuzz: $(STAMP)
+	$(PY) -m superfluid.fuzz.plan_target --runs 100000
+
+bench: $(STAMP)
+	$(VENV)/bin/superfluid bench ring --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info abi/_native*.so

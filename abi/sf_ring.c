@@ -1,0 +1,341 @@
+/*
+ * sf_ring.c — the shared-memory primitives of superfluid.h: atomics, the
+ * futex, SPSC slot queues and data rings. One implementation for every
+ * language: Python compiles it through cffi, a Rust/Go/C planner links it.
+ *
+ * Ordering: a counter store that hands data to the other side is a release
+ * (seq_cst where it pairs with a "sleeping" flag, Dekker style, so a wake-up
+ * cannot be lost); the load that takes it is an acquire.
+ */
+#define _GNU_SOURCE
+#include "superfluid.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RELAXED __ATOMIC_RELAXED
+#define ACQUIRE __ATOMIC_ACQUIRE
+#define RELEASE __ATOMIC_RELEASE
+#define SEQ_CST __ATOMIC_SEQ_CST
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+uint64_t sf_load_acquire_u64(const uint64_t *p) { return __atomic_load_n(p, ACQUIRE); }
+void sf_store_release_u64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, RELEASE); }
+uint32_t sf_load_acquire_u32(const uint32_t *p) { return __atomic_load_n(p, ACQUIRE); }
+void sf_store_release_u32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, RELEASE); }
+uint64_t sf_fetch_add_u64(uint64_t *p, uint64_t v) { return __atomic_fetch_add(p, v, SEQ_CST); }
+
+uint64_t sf_monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int sf_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
+    struct timespec ts, *tp = NULL;
+    if (timeout_ns >= 0) {
+        ts.tv_sec = (time_t)(timeout_ns / 1000000000);
+        ts.tv_nsec = (long)(timeout_ns % 1000000000);
+        tp = &ts;
+    }
+    /* Not FUTEX_PRIVATE: the word lives in a mapping shared between processes. */
+    long r = syscall(SYS_futex, addr, FUTEX_WAIT, expected, tp, NULL, 0);
+    if (r == 0 || errno == EAGAIN || errno == EINTR)
+        return 0;
+    if (errno == ETIMEDOUT)
+        return 1;
+    return -errno;
+}
+
+int sf_futex_wake(uint32_t *addr, int32_t n) {
+    long r = syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+    return r < 0 ? -errno : (int)r;
+}
+
+/* The low 32 bits of a counter, as a futex word (little-endian only). */
+static inline uint32_t *low_word(uint64_t *counter) { return (uint32_t *)(void *)counter; }
+
+static int peer_check(const SegmentHeader *seg, uint64_t epoch, int watch_stop) {
+    if (seg == NULL)
+        return SF_WAIT_READY;
+    if (__atomic_load_n(&seg->worker_epoch, ACQUIRE) != epoch)
+        return SF_WAIT_GONE;
+    uint32_t state = __atomic_load_n(&seg->worker_state, ACQUIRE);
+    if (state == SF_WORKER_STOPPED || state == SF_WORKER_DEAD || state == SF_WORKER_GAVE_UP)
+        return SF_WAIT_GONE;
+    if (watch_stop && __atomic_load_n(&seg->stop_requested, ACQUIRE))
+        return SF_WAIT_STOP;
+    return SF_WAIT_READY;
+}
+
+/* ---------------------------------------------------------------- queues */
+
+uint64_t sf_queue_bytes(uint32_t n_slots, uint32_t slot_bytes) {
+    return (uint64_t)sizeof(Queue) + (uint64_t)n_slots * slot_bytes;
+}
+
+void sf_queue_init(void *queue, uint32_t n_slots, uint32_t slot_bytes) {
+    Queue *q = (Queue *)queue;
+    memset(q, 0, sizeof *q);
+    q->n_slots = n_slots;
+    q->slot_bytes = slot_bytes;
+}
+
+int sf_queue_attach(QueueView *v, void *queue, uint64_t bytes) {
+    Queue *q = (Queue *)queue;
+    if (bytes < sizeof(Queue))
+        return -1;
+    uint32_t n = q->n_slots, sb = q->slot_bytes;
+    if (n == 0 || (n & (n - 1)) != 0 || sb < sizeof(MsgHeader) || sb % SF_CACHE_LINE != 0)
+        return -1;
+    if (sf_queue_bytes(n, sb) > bytes)
+        return -1;
+    v->q = q;
+    v->slots = (uint8_t *)queue + sizeof(Queue);
+    v->n_slots = n;
+    v->slot_bytes = sb;
+    return 0;
+}
+
+static inline uint8_t *slot_at(const QueueView *v, uint64_t i) {
+    return v->slots + (size_t)(i & (v->n_slots - 1)) * v->slot_bytes;
+}
+
+uint8_t *sf_queue_try_reserve(QueueView *v) {
+    uint64_t head = __atomic_load_n(&v->q->head, RELAXED);
+    uint64_t tail = __atomic_load_n(&v->q->tail, ACQUIRE);
+    if (head - tail >= v->n_slots)
+        return NULL;
+    return slot_at(v, head);
+}
+
+void sf_queue_publish(QueueView *v) {
+    Queue *q = v->q;
+    __atomic_store_n(&q->head, __atomic_load_n(&q->head, RELAXED) + 1, SEQ_CST);
+    if (__atomic_load_n(&q->consumer_sleeping, SEQ_CST))
+        sf_futex_wake(low_word(&q->head), INT_MAX);
+}
+
+uint8_t *sf_queue_try_peek(QueueView *v) {
+    uint64_t tail = __atomic_load_n(&v->q->tail, RELAXED);
+    if (__atomic_load_n(&v->q->head, ACQUIRE) == tail)
+        return NULL;
+    return slot_at(v, tail);
+}
+
+void sf_queue_release(QueueView *v) {
+    Queue *q = v->q;
+    __atomic_store_n(&q->tail, __atomic_load_n(&q->tail, RELAXED) + 1, SEQ_CST);
+    if (__atomic_load_n(&q->producer_sleeping, SEQ_CST))
+        sf_futex_wake(low_word(&q->tail), INT_MAX);
+}
+
+uint64_t sf_queue_len(const QueueView *v) {
+    uint64_t tail = __atomic_load_n(&v->q->tail, ACQUIRE);
+    uint64_t head = __atomic_load_n(&v->q->head, ACQUIRE);
+    return head - tail;
+}
+
+void sf_queue_wake_all(QueueView *v) {
+    sf_futex_wake(low_word(&v->q->head), INT_MAX);
+    sf_futex_wake(low_word(&v->q->tail), INT_MAX);
+}
+
+/* The one wait loop behind both directions: `ready` tells whether the
+ * queue has what is waited for; the futex word is the counter the peer
+ * moves, and `seen` the value it had when the queue was not ready. */
+typedef int (*ready_fn)(QueueView *v, uint64_t *seen);
+
+static int readable(QueueView *v, uint64_t *seen) {
+    uint64_t head = __atomic_load_n(&v->q->head, SEQ_CST);
+    *seen = head;
+    return head != __atomic_load_n(&v->q->tail, RELAXED);
+}
+
+static int writable(QueueView *v, uint64_t *seen) {
+    uint64_t tail = __atomic_load_n(&v->q->tail, SEQ_CST);
+    *seen = tail;
+    return __atomic_load_n(&v->q->head, RELAXED) - tail < v->n_slots;
+}
+
+static int wait_for(QueueView *v, ready_fn ready, uint64_t *word, uint32_t *sleeping,
+                    const SegmentHeader *seg, uint64_t epoch, int watch_stop, int64_t timeout_ns,
+                    int64_t spin_ns) {
+    uint64_t seen;
+    if (ready(v, &seen))
+        return SF_WAIT_READY;
+    int peer = peer_check(seg, epoch, watch_stop);
+    if (peer != SF_WAIT_READY)
+        return peer;
+    uint64_t start = sf_monotonic_ns();
+    uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : start + (uint64_t)timeout_ns;
+    uint64_t spin_end = start + (uint64_t)(spin_ns > 0 ? spin_ns : 0);
+    if (spin_end > deadline)
+        spin_end = deadline;
+    for (;;) {
+        for (int i = 0; i < 32; i++) {
+            if (ready(v, &seen))
+                return SF_WAIT_READY;
+            cpu_relax();
+        }
+        if (sf_monotonic_ns() >= spin_end)
+            break;
+    }
+    for (;;) {
+        uint64_t now = sf_monotonic_ns();
+        if (now >= deadline)
+            return ready(v, &seen) ? SF_WAIT_READY : SF_WAIT_TIMEOUT;
+        peer = peer_check(seg, epoch, watch_stop);
+        if (peer != SF_WAIT_READY)
+            return peer;
+        /* Slices only where there is a peer to re-check: without one, a lost
+         * wake-up would show as a timeout instead of hiding in a slice. */
+        uint64_t slice = deadline - now;
+        if (seg != NULL && slice > SF_WAIT_SLICE_NS)
+            slice = SF_WAIT_SLICE_NS;
+        /* Announce the sleep, then look once more: the peer either sees the
+         * flag and wakes us, or we see its move here. */
+        __atomic_store_n(sleeping, 1, SEQ_CST);
+        if (ready(v, &seen)) {
+            __atomic_store_n(sleeping, 0, RELAXED);
+            return SF_WAIT_READY;
+        }
+        sf_futex_wait(low_word(word), (uint32_t)seen, (int64_t)slice);
+        __atomic_store_n(sleeping, 0, RELAXED);
+        if (ready(v, &seen))
+            return SF_WAIT_READY;
+    }
+}
+
+int sf_queue_wait_readable(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                           int64_t timeout_ns, int64_t spin_ns) {
+    return wait_for(v, readable, &v->q->head, &v->q->consumer_sleeping, seg, epoch, watch_stop,
+                    timeout_ns, spin_ns);
+}
+
+int sf_queue_wait_writable(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                           int64_t timeout_ns, int64_t spin_ns) {
+    return wait_for(v, writable, &v->q->tail, &v->q->producer_sleeping, seg, epoch, watch_stop,
+                    timeout_ns, spin_ns);
+}
+
+/* ----------------------------------------------------------- data rings */
+
+#define ELEM_BYTES 4u
+
+uint64_t sf_ring_bytes(uint64_t capacity) { return (uint64_t)sizeof(DataRing) + capacity * ELEM_BYTES; }
+
+void sf_ring_init(void *ring, uint32_t ring_id, uint64_t capacity) {
+    DataRing *r = (DataRing *)ring;
+    memset(r, 0, sizeof *r);
+    r->ring_id = ring_id;
+    r->elem_bytes = ELEM_BYTES;
+    r->capacity = capacity;
+}
+
+int sf_ring_attach(RingView *v, void *ring, uint64_t bytes) {
+    DataRing *r = (DataRing *)ring;
+    if (bytes < sizeof(DataRing))
+        return -1;
+    uint64_t cap = r->capacity;
+    if (cap == 0 || r->elem_bytes != ELEM_BYTES || r->ring_id == SF_RING_NONE)
+        return -1;
+    if (cap > (bytes - sizeof(DataRing)) / ELEM_BYTES)
+        return -1;
+    v->r = r;
+    v->data = (uint8_t *)ring + sizeof(DataRing);
+    v->capacity = cap;
+    v->ring_id = r->ring_id;
+    v->elem_bytes = ELEM_BYTES;
+    return 0;
+}
+
+void *sf_ring_begin(RingView *v, uint64_t n, RingRef *out) {
+    uint64_t cap = v->capacity;
+    if (n > cap)
+        return NULL;
+    uint64_t pos = __atomic_load_n(&v->r->head, RELAXED);
+    uint64_t off = pos % cap;
+    if (off + n > cap) {
+        pos += cap - off;
+        off = 0;
+    }
+    /* Readers of what is about to be overwritten must see the reservation
+     * before they could see any new byte: store, then a full fence. */
+    __atomic_store_n(&v->r->reserve, pos + n, RELAXED);
+    __atomic_thread_fence(SEQ_CST);
+    out->ring_id = v->ring_id;
+    out->generation = (uint32_t)(pos / cap);
+    out->offset = off;
+    out->len = n;
+    return v->data + off * ELEM_BYTES;
+}
+
+void sf_ring_commit(RingView *v) {
+    __atomic_store_n(&v->r->head, __atomic_load_n(&v->r->reserve, RELAXED), RELEASE);
+}
+
+uint32_t sf_ring_write(RingView *v, const void *src, uint64_t n, RingRef *out) {
+    void *dst = sf_ring_begin(v, n, out);
+    if (dst == NULL)
+        return SF_STATUS_RejectBounds;
+    if (n)
+        memcpy(dst, src, (size_t)(n * ELEM_BYTES));
+    sf_ring_commit(v);
+    return SF_STATUS_OK;
+}
+
+/* Where the reference starts, as an absolute element position, or a reject. */
+static uint32_t locate(const RingView *v, const RingRef *ref, uint64_t *abs) {
+    uint64_t cap = v->capacity;
+    if (ref->ring_id != v->ring_id)
+        return SF_STATUS_RejectBounds;
+    if (ref->offset >= cap || ref->len > cap - ref->offset)
+        return SF_STATUS_RejectBounds;
+    uint64_t head = __atomic_load_n(&v->r->head, ACQUIRE);
+    uint64_t head_gen = head / cap;
+    /* The ring holds at most the current and the previous generation. */
+    uint32_t behind = (uint32_t)head_gen - ref->generation;
+    if (behind > 1 || behind > head_gen)
+        return SF_STATUS_RejectBadRefGeneration;
+    uint64_t start = (head_gen - behind) * cap + ref->offset;
+    if (start + ref->len > head)
+        return SF_STATUS_RejectBadRefGeneration;
+    if (start + cap < __atomic_load_n(&v->r->reserve, ACQUIRE))
+        return SF_STATUS_RejectBadRefGeneration;
+    *abs = start;
+    return SF_STATUS_OK;
+}
+
+uint32_t sf_ring_check(const RingView *v, const RingRef *ref) {
+    uint64_t abs;
+    return locate(v, ref, &abs);
+}
+
+uint32_t sf_ring_read(const RingView *v, const RingRef *ref, void *dst, uint64_t dst_elems) {
+    uint64_t abs;
+    uint32_t st = locate(v, ref, &abs);
+    if (st != SF_STATUS_OK)
+        return st;
+    if (ref->len > dst_elems)
+        return SF_STATUS_RejectBounds;
+    if (ref->len)
+        memcpy(dst, v->data + ref->offset * ELEM_BYTES, (size_t)(ref->len * ELEM_BYTES));
+    /* Seqlock read side: the copy happens before the second look. */
+    __atomic_thread_fence(ACQUIRE);
+    if (abs + v->capacity < __atomic_load_n(&v->r->reserve, RELAXED))
+        return SF_STATUS_RejectBadRefGeneration;
+    return SF_STATUS_OK;
+}

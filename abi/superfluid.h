@@ -1,0 +1,663 @@
+/*
+ * superfluid.h — the superfluid executor ABI (SPEC.md §1–§3, §7, §8).
+ *
+ * The one description of every record that crosses a process boundary. The
+ * Python side compiles this file through cffi and reads its layout from the
+ * compiler; a Rust, Go or C planner includes it and links sf_ring.c.
+ *
+ * Rules kept by every record:
+ *   - fixed-width little-endian fields, explicit padding (_pad*), no bitfields;
+ *   - every u64 sits at an offset that is a multiple of 8 and every record's
+ *     size is a multiple of 8, so the layout is the same on every 64-bit and
+ *     32-bit target (the asserts at the end pin it);
+ *   - top-level records (TickPlan, TickEvents, OpEvents) begin with struct_size;
+ *   - enum-valued fields are u32 holding one of the SF_* constants below.
+ * "planner" = the external scheduler, "executor" = the Python worker,
+ * "daemon" = the supervisor that owns the segment.
+ */
+#ifndef SUPERFLUID_H
+#define SUPERFLUID_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- versions */
+
+#define SF_ABI_VERSION 1
+/* "SFLUIDV1" read as a little-endian u64: the first 8 bytes of a segment. */
+#define SF_MAGIC 0x31564449554c4653
+#define SF_CACHE_LINE 64
+#define SF_MAX_TOP_LOGPROBS 20
+/* Byte alignment of every span offset and of the arena itself. */
+#define SF_ARENA_ALIGN 8
+#define SF_RUNTIME_ID_BYTES 32
+#define SF_NAME_BYTES 32
+
+/* ------------------------------------------------- plan status (SPEC §3) */
+/* TickEvents.status: the verdict on a whole plan. Anything but OK means the
+ * plan changed nothing. */
+#define SF_STATUS_OK 0
+#define SF_STATUS_RejectIllegalCombination 1
+#define SF_STATUS_RejectBudget 2
+#define SF_STATUS_RejectBounds 3
+#define SF_STATUS_RejectUnknownLane 4
+#define SF_STATUS_RejectHostRules 5
+#define SF_STATUS_RejectStaleNonce 6
+#define SF_STATUS_RejectStaleSeed 7
+#define SF_STATUS_RejectBadRefGeneration 8
+#define SF_STATUS_NeedsReplan 9
+#define SF_STATUS_Fatal 10
+
+/* ----------------------------------------- tick status of an applied plan */
+#define SF_TICK_OK 0
+#define SF_TICK_SHED 1
+#define SF_TICK_LANE_ERRORS 2
+
+/* -------------------------------------------------------- TickPlan.flags */
+#define SF_PLAN_DRAIN 1          /* no admits; the planner is draining */
+#define SF_PLAN_PARTIAL_EMITS 2  /* stream each sampled token as it comes */
+#define SF_PLAN_FLAGS_ALL 3
+
+/* ---------------------------------------- TickPlan.evictable_cache_classes */
+#define SF_CACHE_RESIDENT_PREFIX_CLASS 1
+#define SF_CACHE_CLASSES_ALL 1
+
+/* ----------------------------------------------------- LaneAdmit.sampling */
+#define SF_SAMPLING_GPU_GREEDY 0  /* argmax in the engine */
+#define SF_SAMPLING_GPU_SAMPLE 1  /* counter-based draw in the engine */
+#define SF_SAMPLING_HOST 2        /* row to the logits ring, planner commits */
+
+/* ------------------------------------------------ SamplingParams.flags */
+#define SF_PARAM_IGNORE_EOS 1
+#define SF_PARAM_FLAGS_ALL 1
+
+/* -------------------------- LaneAdmit.determinism_class, granted_class */
+#define SF_CLASS_BEST_EFFORT 0
+#define SF_CLASS_SEED_PATH_INVARIANT 1
+#define SF_CLASS_DISTRIBUTION_EXACT 2
+
+/* ---------------------------------------------------- AdmitResult.status */
+#define SF_ADMIT_ADMITTED 1
+
+/* ------------------------------------------------------- LaneEmit.finish */
+#define SF_FINISH_NONE 0
+#define SF_FINISH_EOS 1
+#define SF_FINISH_LENGTH 2
+#define SF_FINISH_GRAMMAR 3
+
+/* ------------------------------------------------------- LaneFault.code */
+#define SF_FAULT_OOM_TENTATIVE 1   /* the runtime ran out of cells */
+#define SF_FAULT_INTERNAL 2        /* a runtime error that is the lane's */
+#define SF_FAULT_GRAMMAR_OVERFLOW 3
+#define SF_FAULT_REF_SPAN_OOB 4    /* the emit did not fit the token ring */
+#define SF_FAULT_INJECTED 5        /* op INJECT_FAULT */
+
+/* ----------------------------------------------- ShedEntry.kind, .reason */
+#define SF_SHED_CACHE_EVICTION 1
+#define SF_SHED_PREFILL_CHUNK 2
+#define SF_SHED_REASON_NONE 0
+#define SF_SHED_REASON_BUDGET 1     /* past prefill_token_budget */
+#define SF_SHED_REASON_YIELD 2      /* yield_requested between steps */
+#define SF_SHED_REASON_MEMORY 3     /* evicted to fit this plan */
+#define SF_SHED_REASON_PRESSURE 4   /* evicted when the cache settled */
+#define SF_SHED_REASON_TAKEOVER 5   /* a seed lease took the entry over */
+#define SF_SHED_REASON_LOST 6       /* an import failed; the entry is gone */
+#define SF_SHED_REASON_CLEARED 7    /* op CACHE_CLEAR */
+
+/* ------------------------------------------------------ RingRef.ring_id */
+#define SF_RING_NONE 0    /* "no reference": every field zero */
+#define SF_RING_PROMPT 1  /* u32 tokens, planner writes */
+#define SF_RING_TOKENS 2  /* u32 tokens, executor writes (emits) */
+#define SF_RING_LOGITS 3  /* f32 logits rows, executor writes */
+
+/* ------------------------------------------------ MsgHeader.kind (slots) */
+#define SF_MSG_PLAN 1     /* TickPlan + arena, plan queue */
+#define SF_MSG_EVENTS 2   /* TickEvents + arena, event queue */
+#define SF_MSG_OP 3       /* msgpack map, op queue (record_bytes = 0) */
+#define SF_MSG_OP_EVENTS 4 /* OpEvents + arena, event queue (ops done between ticks) */
+#define SF_MSG_PARTIAL 5  /* PartialEmit, stream queue */
+#define SF_MSG_WORKER 6   /* WorkerNotice, event queue (daemon: restart, give-up) */
+
+/* ----------------------------------------------------- op kinds (SPEC §7) */
+#define SF_OP_DESCRIBE 1
+#define SF_OP_LEASE_SEED 2
+#define SF_OP_RELEASE_SEED 3
+#define SF_OP_REGISTER_GRAMMAR 4
+#define SF_OP_RELEASE_GRAMMAR 5
+#define SF_OP_REGISTER_LOGIT_BIAS 6
+#define SF_OP_RELEASE_LOGIT_BIAS 7
+#define SF_OP_INSTALL_STRATEGY 8
+#define SF_OP_EXPORT_ENTRY 9
+#define SF_OP_IMPORT_STATE 10
+#define SF_OP_INJECT_FAULT 11
+#define SF_OP_CACHE_CLEAR 12
+
+/* --------------------------------------------------- OpCompletion.status */
+#define SF_OPST_OK 0
+#define SF_OPST_BadRequest 1     /* not a msgpack map, or a field missing/wrong */
+#define SF_OPST_UnknownOp 2
+#define SF_OPST_UnknownHandle 3
+#define SF_OPST_Refused 4        /* e.g. INJECT_FAULT without --fault-injection */
+#define SF_OPST_Unsupported 5    /* the runtime cannot do it */
+#define SF_OPST_NoMatch 6        /* e.g. LEASE_SEED found no usable prefix */
+#define SF_OPST_Capacity 7
+
+/* ---------------------------------------------- SegmentHeader.worker_state */
+#define SF_WORKER_EMPTY 0     /* segment made, no worker yet */
+#define SF_WORKER_STARTING 1  /* worker process started, loading the model */
+#define SF_WORKER_READY 2     /* worker reads plans */
+#define SF_WORKER_STOPPING 3  /* stop requested, draining */
+#define SF_WORKER_STOPPED 4   /* exited cleanly */
+#define SF_WORKER_DEAD 5      /* exited or killed; the daemon restarts it */
+#define SF_WORKER_GAVE_UP 6   /* crash loop: the daemon will not restart it */
+
+/* --------------------------------------------- RuntimeDesc.flags (SPEC §8) */
+#define SF_RT_TRUNCATE_PARTIAL 1
+#define SF_RT_COPY_SHARES_CELLS 2
+#define SF_RT_TAKEOVER_PREFERRED 4
+#define SF_RT_ENGINE_SAMPLING 8
+#define SF_RT_ENGINE_DRAWS 16
+#define SF_RT_VERIFY_BATCHES 32
+#define SF_RT_EXACT_ONLY 64
+
+/* ------------------------------------------------------- wait results */
+#define SF_WAIT_READY 0     /* the queue has what was waited for */
+#define SF_WAIT_TIMEOUT 1   /* the timeout passed */
+#define SF_WAIT_GONE 2      /* the worker epoch changed or the worker is down */
+#define SF_WAIT_STOP 3      /* the daemon asked this segment to stop */
+/* Longest single futex sleep, so a waiter sees a dead peer within it. */
+#define SF_WAIT_SLICE_NS 20000000
+
+/* ================================================================ records */
+
+/* A run of elements in a data ring. All zero = no reference. */
+typedef struct RingRef {
+    uint32_t ring_id;     /* SF_RING_*; writer sets */
+    uint32_t generation;  /* ring wraps before the write, low 32 bits */
+    uint64_t offset;      /* first element, 0 <= offset < capacity */
+    uint64_t len;         /* elements; offset + len <= capacity */
+} RingRef;
+
+/* A list of records in the arena that travels with a top-level record. */
+typedef struct Span {
+    uint32_t offset;  /* bytes from the arena start, multiple of SF_ARENA_ALIGN */
+    uint32_t count;   /* records (bytes for message and payload spans) */
+} Span;
+
+/* Leads every queue slot. The record starts right after it; the arena
+ * starts at the next SF_ARENA_ALIGN boundary after the record. */
+typedef struct MsgHeader {
+    uint32_t kind;          /* SF_MSG_*; producer sets */
+    uint32_t record_bytes;  /* bytes of the record (its struct_size); 0 for SF_MSG_OP */
+    uint64_t arena_bytes;   /* bytes of the arena (the msgpack body for SF_MSG_OP) */
+} MsgHeader;
+
+/* SPEC §5 parameters of a lane; planner sets, fixed for the lane's life. */
+typedef struct SamplingParams {
+    float temperature;       /* <= 0: greedy; finite */
+    uint32_t top_k;          /* 0 = off */
+    float top_p;             /* nucleus mass in (0, 1); 0 or >= 1 = off; >= 0 */
+    float min_p;             /* in [0, 1]; 0 = off */
+    float repeat_penalty;    /* >= 0; 0 or 1 = off */
+    float presence_penalty;  /* 0 = off; finite */
+    float freq_penalty;      /* 0 = off; finite */
+    uint32_t flags;          /* SF_PARAM_* */
+} SamplingParams;
+
+/* Start a lane. Planner writes; executor answers with one AdmitResult. */
+typedef struct LaneAdmit {
+    uint64_t lane_tag;           /* planner's id of the lane, unique among live lanes */
+    RingRef prompt;              /* prompt tokens, SF_RING_PROMPT */
+    uint32_t sampling;           /* SF_SAMPLING_* */
+    uint32_t decode_replay;      /* prompt tail fed as decode rounds, not emitted; < len(prompt) */
+    SamplingParams params;       /* how tokens are picked */
+    uint64_t rng_counter_base;   /* draw position of the lane's first sampled token */
+    uint64_t grammar_handle;     /* op REGISTER_GRAMMAR handle; 0 = none */
+    uint64_t logit_bias_handle;  /* op REGISTER_LOGIT_BIAS handle; 0 = none */
+    uint64_t seed_handle;        /* op LEASE_SEED handle; 0 = none */
+    uint32_t strategy_slot;      /* op INSTALL_STRATEGY slot; 0 = none */
+    uint32_t grammar_replay;     /* last prompt tokens the grammar cursor replays */
+    uint32_t determinism_class;  /* SF_CLASS_* asked for */
+    uint32_t want_logprobs;      /* 0 = none; n = chosen + (n-1) alternatives, n <= SF_MAX_TOP_LOGPROBS */
+} LaneAdmit;
+
+/* Feed prompt tokens [token_offset, token_offset + token_count) of a lane. */
+typedef struct LanePrefill {
+    uint64_t lane_tag;  /* live lane, or admitted in this plan */
+    uint32_t token_offset;  /* must equal the tokens prefilled so far */
+    uint32_t token_count;   /* tokens past prefill_token_budget are shed, not an error */
+} LanePrefill;
+
+/* Grant a lane decode rounds this tick. */
+typedef struct LaneDecode {
+    uint64_t lane_tag;  /* live lane, or admitted in this plan; not finished */
+    uint16_t max_new_tokens;  /* rounds granted (replayed tokens count); HOST lanes: 1 */
+    uint16_t overshoot;       /* tokens a verified draft may run past the grant */
+    uint32_t _pad0;
+} LaneDecode;
+
+/* A host-sampled token for a HOST lane's pending logits row. */
+typedef struct LaneCommit {
+    uint64_t lane_tag;  /* a HOST lane with a pending logits row */
+    uint32_t token_id;      /* < vocab_size */
+    uint32_t _pad0;
+    uint64_t logits_nonce;  /* LaneEmit.logits_nonce of the row it answers */
+} LaneCommit;
+
+/* End a lane (live, or faulted and not yet retired). */
+typedef struct LaneRetire {
+    uint64_t lane_tag;  /* live lane, or faulted and not yet retired */
+    uint8_t publish_to_cache;  /* 0 or 1: keep the sequence as a prefix-cache entry */
+    uint8_t _pad0[7];
+} LaneRetire;
+
+/* In-process embedders only: called for each token as it is sampled. */
+typedef void (*sf_partial_emit_fn)(void *user, uint64_t lane_tag, const uint32_t *tokens, uint32_t n);
+
+/* One tick's plan. Planner writes it into a plan-queue slot (SF_MSG_PLAN). */
+typedef struct TickPlan {
+    uint64_t struct_size;              /* sizeof(TickPlan) */
+    uint64_t plan_seq;                 /* strictly greater than the last accepted */
+    uint32_t flags;                    /* SF_PLAN_* */
+    uint32_t max_decode_lanes;         /* <= max_batch; decodes <= this */
+    uint32_t prefill_token_budget;     /* prompt tokens this tick may prefill */
+    uint32_t evictable_cache_classes;  /* SF_CACHE_* the memory check may evict */
+    uint64_t max_evict_bytes;          /* at most this many bytes evicted this tick */
+    uint64_t protected_quota_bytes;    /* never evict the resident cache below this */
+    Span admits;                       /* LaneAdmit[] */
+    Span prefills;                     /* LanePrefill[], run in this order */
+    Span decodes;                      /* LaneDecode[] */
+    Span commits;                      /* LaneCommit[], applied before everything but retires */
+    Span retires;                      /* LaneRetire[] */
+    uint64_t on_partial_emit;          /* sf_partial_emit_fn in-process; ignored across processes */
+    uint64_t partial_emit_user;        /* its user pointer */
+} TickPlan;
+
+/* ------------------------------------------------------------ events */
+
+typedef struct AdmitResult {
+    uint64_t lane_tag;  /* the admitted lane */
+    uint32_t status;         /* SF_ADMIT_* */
+    uint32_t reject_code;    /* 0 (a plan with a bad admit is rejected whole) */
+    uint32_t cert_id;        /* speculation certificate in effect; 0 = none */
+    uint32_t granted_class;  /* SF_CLASS_* the executor promises */
+} AdmitResult;
+
+typedef struct SpecStats {
+    uint32_t proposed;           /* draft tokens proposed this tick */
+    uint32_t accepted;           /* of which accepted */
+    uint32_t cert_id_in_effect;  /* 0 = no drafting */
+    uint32_t _pad0;
+} SpecStats;
+
+/* What one decoding lane produced this tick. Executor writes. */
+typedef struct LaneEmit {
+    uint64_t lane_tag;  /* a lane decoded this tick */
+    RingRef token_ref;      /* emitted tokens, SF_RING_TOKENS; none for HOST lanes */
+    uint32_t n_tokens;      /* == token_ref.len */
+    uint32_t finish;        /* SF_FINISH_* */
+    RingRef logits_row;     /* HOST lanes: the f32 row, SF_RING_LOGITS, vocab_size long */
+    uint64_t logits_nonce;  /* HOST lanes: commit with this; 0 otherwise */
+    SpecStats spec;         /* drafting this tick */
+} LaneEmit;
+
+typedef struct LaneFault {
+    uint64_t lane_tag;  /* the faulted lane; its sequence is freed, retire it */
+    uint32_t code;    /* SF_FAULT_* */
+    uint32_t _pad0;
+    uint64_t detail;  /* code-specific: the runtime's fault code, or 0 */
+} LaneFault;
+
+typedef struct ShedEntry {
+    uint64_t lane_tag;  /* 0 = a cache entry */
+    uint32_t kind;      /* SF_SHED_* */
+    uint32_t reason;    /* SF_SHED_REASON_* */
+    uint64_t bytes;     /* bytes freed (evictions) */
+    uint64_t tokens;    /* tokens dropped (chunks) or held by the entry (evictions) */
+} ShedEntry;
+
+/* Counters reconcile with the entries: chunks == #PREFILL_CHUNK entries,
+ * evictions == #CACHE_EVICTION entries, bytes_evicted == their bytes. */
+typedef struct ShedReport {
+    uint32_t prefill_chunks_dropped;  /* PREFILL_CHUNK entries */
+    uint32_t evictions_performed;  /* CACHE_EVICTION entries */
+    uint64_t bytes_evicted;  /* sum of their bytes */
+    Span entries;  /* ShedEntry[] */
+} ShedReport;
+
+typedef struct OpCompletion {
+    uint64_t op_id;    /* the op's op_id */
+    uint32_t status;   /* SF_OPST_* */
+    uint32_t op;       /* SF_OP_* (0 when the op could not be read) */
+    uint64_t handle;   /* handle issued (REGISTER_*, LEASE_SEED), else 0 */
+    uint64_t value;    /* op-specific number (e.g. tokens leased, bytes exported) */
+    Span payload;      /* msgpack bytes in the arena (DESCRIBE, EXPORT_ENTRY, errors) */
+} OpCompletion;
+
+typedef struct TickTimings {
+    uint64_t wall_ns;  /* whole tick, check included */
+    uint64_t prefill_ns;  /* prefill steps */
+    uint64_t decode_ns;  /* decode rounds */
+    uint32_t graph_hits;  /* captured-graph replays (GPU backends) */
+    uint32_t graph_misses;  /* steps with no captured graph */
+} TickTimings;
+
+typedef struct TickMemCounters {
+    uint64_t allocated_bytes;       /* runtime memory held */
+    uint64_t host_retained_bytes;   /* cache entries exported to host memory */
+    uint64_t pool_blocks_total;  /* KV blocks of `page` cells in the pool */
+    uint64_t pool_blocks_used;  /* of which held by sequences */
+    uint64_t pool_bytes_evictable;  /* unpinned cache entries */
+    uint64_t tentative_bytes;  /* reserved for in-flight work; 0 between ticks */
+} TickMemCounters;
+
+/* Log-probabilities of one emitted token (want_logprobs > 0). */
+typedef struct LaneLogprob {
+    uint64_t lane_tag;  /* the emitting lane */
+    uint32_t token_id;  /* the chosen token */
+    float logprob;      /* of the chosen token, after bias and penalties */
+    uint32_t n_top;     /* alternatives filled, <= SF_MAX_TOP_LOGPROBS */
+    uint32_t index;     /* which of the lane's tokens this tick, from 0 */
+    uint32_t top_ids[SF_MAX_TOP_LOGPROBS];  /* alternatives, most likely first; n_top filled */
+    float top_logprobs[SF_MAX_TOP_LOGPROBS];  /* their log-probabilities */
+} LaneLogprob;
+
+/* One tick's outcome. Executor writes it into an event-queue slot. */
+typedef struct TickEvents {
+    uint64_t struct_size;   /* sizeof(TickEvents) */
+    uint64_t plan_seq;      /* of the plan this answers */
+    uint32_t status;        /* SF_STATUS_*: OK, or why the plan changed nothing */
+    uint32_t tick_status;   /* SF_TICK_* (status OK only) */
+    Span admit_results;     /* AdmitResult[] */
+    Span emits;             /* LaneEmit[] */
+    Span faults;            /* LaneFault[] */
+    ShedReport shed;        /* what was dropped or evicted */
+    Span op_completions;    /* OpCompletion[] */
+    Span logprobs;          /* LaneLogprob[] */
+    Span message;           /* UTF-8 bytes: why rejected, naming the field */
+    TickTimings timings;    /* where the tick's time went */
+    TickMemCounters mem;    /* memory after the tick */
+    uint64_t worker_epoch;  /* epoch of the worker that ran the tick */
+} TickEvents;
+
+/* Ops that completed while no tick was running (SF_MSG_OP_EVENTS). */
+typedef struct OpEvents {
+    uint64_t struct_size;   /* sizeof(OpEvents) */
+    uint64_t worker_epoch;  /* epoch of the worker that ran the ops */
+    Span op_completions;    /* OpCompletion[] */
+} OpEvents;
+
+/* A token as it is sampled (SF_MSG_PARTIAL, stream queue). */
+typedef struct PartialEmit {
+    uint64_t plan_seq;  /* the tick it belongs to */
+    uint64_t lane_tag;  /* the emitting lane */
+    uint32_t token_id;  /* the sampled token */
+    uint32_t index;  /* which of the lane's tokens this tick, from 0 */
+} PartialEmit;
+
+/* The daemon's word on a worker (SF_MSG_WORKER). */
+typedef struct WorkerNotice {
+    uint64_t struct_size;   /* sizeof(WorkerNotice) */
+    uint64_t worker_epoch;  /* the new epoch */
+    uint32_t worker_state;  /* SF_WORKER_* */
+    int32_t exit_status;    /* how the last worker ended: exit code, or -signal */
+    uint32_t restarts;      /* restarts so far */
+    uint32_t _pad0;
+} WorkerNotice;
+
+/* SPEC §8: what the runtime under the executor can do. Worker writes once. */
+typedef struct RuntimeDesc {
+    char runtime_id[SF_RUNTIME_ID_BYTES];  /* NUL-padded UTF-8 */
+    uint32_t vocab_size;  /* token ids are < vocab_size; logits rows are this long */
+    uint32_t max_batch;            /* lanes per step */
+    uint64_t max_seq_len;          /* cells per sequence */
+    uint32_t max_seqs;             /* sequences at once; 0 = unbounded */
+    uint32_t page;                 /* cells per KV block */
+    uint32_t prefill_step_tokens;  /* tokens per prefill step; 0 = one step */
+    uint32_t flags;                /* SF_RT_* */
+} RuntimeDesc;
+
+/* ============================================================ transport */
+
+/* SPSC queue of fixed slots; the slots follow this header in memory. */
+typedef struct Queue {
+    uint64_t head;  /* slots published; producer writes (release), its low 32 bits are the consumer's futex */
+    uint8_t _pad0[SF_CACHE_LINE - 8];
+    uint64_t tail;  /* slots released; consumer writes (release), its low 32 bits are the producer's futex */
+    uint8_t _pad1[SF_CACHE_LINE - 8];
+    uint32_t consumer_sleeping;  /* consumer sets before sleeping on head */
+    uint32_t producer_sleeping;  /* producer sets before sleeping on tail */
+    uint32_t n_slots;            /* power of two; set at creation */
+    uint32_t slot_bytes;         /* bytes per slot incl. MsgHeader, multiple of 64 */
+    uint8_t _pad2[SF_CACHE_LINE - 16];
+} Queue;
+
+/* A data ring of 4-byte elements; the elements follow this header. */
+typedef struct DataRing {
+    uint64_t head;     /* elements written ever (incl. skipped tails); writer stores release */
+    uint64_t reserve;  /* end of the write in progress; >= head; readers re-check it */
+    uint8_t _pad0[SF_CACHE_LINE - 16];
+    uint32_t ring_id;     /* SF_RING_* */
+    uint32_t elem_bytes;  /* 4 */
+    uint64_t capacity;    /* elements */
+    uint8_t _pad1[SF_CACHE_LINE - 16];
+} DataRing;
+
+/* Byte offsets from the segment start of everything in it. */
+typedef struct SegmentLayout {
+    uint64_t plan_queue;  /* Queue of SF_MSG_PLAN, planner -> executor */
+    uint64_t event_queue;  /* Queue of SF_MSG_EVENTS/OP_EVENTS/WORKER, executor -> planner */
+    uint64_t op_queue;  /* Queue of SF_MSG_OP, planner -> executor */
+    uint64_t stream_queue;  /* Queue of SF_MSG_PARTIAL, executor -> planner */
+    uint64_t prompt_ring;  /* DataRing SF_RING_PROMPT */
+    uint64_t token_ring;  /* DataRing SF_RING_TOKENS */
+    uint64_t logits_ring;  /* DataRing SF_RING_LOGITS */
+    uint64_t _reserved0;
+} SegmentLayout;
+
+/* Counters the worker keeps current for `superfluid status`. */
+typedef struct WorkerCounters {
+    uint64_t ticks;           /* plans applied */
+    uint64_t rejects;         /* plans rejected */
+    uint64_t last_plan_seq;  /* of the last accepted plan */
+    uint64_t live_lanes;  /* lanes admitted and not retired */
+    uint64_t cache_entries;  /* prefix-cache entries */
+    uint64_t cache_bytes;  /* their bytes */
+    uint64_t tokens_emitted;  /* tokens emitted since the worker started */
+    uint64_t last_fault_lane;  /* lane of the last LaneFault */
+    uint32_t last_fault_code;  /* SF_FAULT_*, 0 = none yet */
+    uint32_t _pad0;
+    uint64_t heartbeat_ns;     /* CLOCK_MONOTONIC of the worker's last loop */
+    uint64_t _reserved[6];
+} WorkerCounters;
+
+/* The first bytes of every segment. */
+typedef struct SegmentHeader {
+    /* line 0: identity; the daemon writes it once, before anyone opens the segment */
+    uint64_t magic;           /* SF_MAGIC */
+    uint32_t abi_version;     /* SF_ABI_VERSION */
+    uint32_t header_bytes;    /* sizeof(SegmentHeader) */
+    uint64_t segment_bytes;   /* size of the whole mapping */
+    uint32_t owner_uid;       /* the daemon's uid; the file is mode 0600 */
+    uint32_t worker_index;  /* which of the daemon's workers */
+    char name[SF_NAME_BYTES];  /* daemon name, NUL-padded */
+    /* line 1: worker life; the daemon writes epoch and state, the worker its pid and state */
+    uint64_t worker_epoch;    /* bumped by the daemon on every (re)start */
+    uint32_t worker_state;    /* SF_WORKER_* */
+    uint32_t worker_pid;  /* worker writes at start */
+    uint32_t daemon_pid;  /* daemon writes at creation */
+    uint32_t restarts;  /* daemon counts worker restarts */
+    int32_t last_exit_status; /* exit code, or -signal, of the last worker */
+    uint32_t fault_injection; /* 1 = INJECT_FAULT allowed */
+    uint64_t state_changed_ns;  /* CLOCK_MONOTONIC of the last state change */
+    uint8_t _pad1[SF_CACHE_LINE - 40];
+    /* line 2: planner -> executor, read between prefill steps and decode rounds */
+    uint32_t yield_requested;  /* 1 = end the tick at the next step boundary */
+    uint8_t _pad2[SF_CACHE_LINE - 4];
+    /* line 3: planner -> executor, latency-sensitive requests are waiting */
+    uint32_t latency_wanted;  /* 1 = keep prefill steps short */
+    uint8_t _pad3[SF_CACHE_LINE - 4];
+    /* line 4: daemon -> everyone; also a futex word */
+    uint32_t stop_requested;  /* 1 = drain and exit */
+    uint8_t _pad4[SF_CACHE_LINE - 4];
+    /* line 5: the worker writes it when ready */
+    RuntimeDesc runtime;       /* worker writes when ready */
+    /* line 6 */
+    SegmentLayout layout;      /* daemon writes at creation */
+    /* lines 7-8 */
+    WorkerCounters counters;   /* worker keeps current */
+} SegmentHeader;
+
+/* =========================================================== sf_ring.c */
+
+/* Atomics on shared words. */
+uint64_t sf_load_acquire_u64(const uint64_t *p);
+void sf_store_release_u64(uint64_t *p, uint64_t v);
+uint32_t sf_load_acquire_u32(const uint32_t *p);
+void sf_store_release_u32(uint32_t *p, uint32_t v);
+uint64_t sf_fetch_add_u64(uint64_t *p, uint64_t v);
+uint64_t sf_monotonic_ns(void);
+
+/* Futex on a shared (not process-private) word. wait: 0 woken or value
+ * differed, 1 timed out, -errno on error. timeout_ns < 0 = no timeout.
+ * wake: waiters woken. */
+int sf_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns);
+int sf_futex_wake(uint32_t *addr, int32_t n);
+
+/* A process-local view of a shared queue or ring. The geometry (slots,
+ * capacity) is read and checked once, at attach, and kept here: what the
+ * other side writes into the shared header later cannot move an index out
+ * of the mapping. */
+typedef struct QueueView {
+    Queue *q;            /* the shared header */
+    uint8_t *slots;  /* first slot */
+    uint32_t n_slots;  /* checked power of two */
+    uint32_t slot_bytes;  /* checked multiple of SF_CACHE_LINE */
+} QueueView;
+
+typedef struct RingView {
+    DataRing *r;         /* the shared header */
+    uint8_t *data;  /* first element */
+    uint64_t capacity;  /* elements */
+    uint32_t ring_id;  /* SF_RING_* */
+    uint32_t elem_bytes;  /* 4 */
+} RingView;
+
+/* Queues. init writes a fresh header (the creator only); attach checks that
+ * the header's geometry fits `bytes` of mapping: 0, or -1 when it does not.
+ * reserve/peek return NULL when full/empty; publish/release move the
+ * counters by one slot and wake a sleeping peer. */
+void sf_queue_init(void *queue, uint32_t n_slots, uint32_t slot_bytes);
+int sf_queue_attach(QueueView *v, void *queue, uint64_t bytes);
+uint64_t sf_queue_bytes(uint32_t n_slots, uint32_t slot_bytes);
+uint8_t *sf_queue_try_reserve(QueueView *v);
+void sf_queue_publish(QueueView *v);
+uint8_t *sf_queue_try_peek(QueueView *v);
+void sf_queue_release(QueueView *v);
+uint64_t sf_queue_len(const QueueView *v);
+/* Spin for spin_ns, then sleep on the futex in slices of at most
+ * SF_WAIT_SLICE_NS, checking the segment before each: SF_WAIT_GONE when
+ * seg->worker_epoch != epoch or the worker is STOPPED/DEAD/GAVE_UP,
+ * SF_WAIT_STOP when stop_requested is set and watch_stop. seg may be NULL.
+ * timeout_ns < 0 waits with no deadline (still checking the segment). */
+int sf_queue_wait_readable(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                           int64_t timeout_ns, int64_t spin_ns);
+int sf_queue_wait_writable(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                           int64_t timeout_ns, int64_t spin_ns);
+/* Wake every sleeper on the queue (after an epoch change or a stop). */
+void sf_queue_wake_all(QueueView *v);
+
+/* Data rings of 4-byte elements. write: SF_STATUS_OK, or
+ * SF_STATUS_RejectBounds when n exceeds the capacity. check/read:
+ * SF_STATUS_OK, SF_STATUS_RejectBounds (another ring, outside the ring, dst
+ * too small) or SF_STATUS_RejectBadRefGeneration (wrapped over, or not yet
+ * written). read copies, then checks again that the writer did not reach
+ * what it copied. A write never splits: one that does not fit before the
+ * end starts the next generation at offset 0. */
+void sf_ring_init(void *ring, uint32_t ring_id, uint64_t capacity);
+int sf_ring_attach(RingView *v, void *ring, uint64_t bytes);
+uint64_t sf_ring_bytes(uint64_t capacity);
+uint32_t sf_ring_write(RingView *v, const void *src, uint64_t n, RingRef *out);
+uint32_t sf_ring_check(const RingView *v, const RingRef *ref);
+uint32_t sf_ring_read(const RingView *v, const RingRef *ref, void *dst, uint64_t dst_elems);
+/* Zero-copy writes: begin reserves n elements and returns where to write
+ * them (NULL when n exceeds the capacity); commit publishes them. */
+void *sf_ring_begin(RingView *v, uint64_t n, RingRef *out);
+void sf_ring_commit(RingView *v);
+
+/* ============================================================== asserts */
+
+#if defined(__cplusplus)
+#define SF_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#else
+#define SF_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#endif
+
+SF_STATIC_ASSERT(sizeof(RingRef) == 24, "RingRef size");
+SF_STATIC_ASSERT(sizeof(Span) == 8, "Span size");
+SF_STATIC_ASSERT(sizeof(MsgHeader) == 16, "MsgHeader size");
+SF_STATIC_ASSERT(sizeof(SamplingParams) == 32, "SamplingParams size");
+SF_STATIC_ASSERT(sizeof(LaneAdmit) == 120, "LaneAdmit size");
+SF_STATIC_ASSERT(offsetof(LaneAdmit, prompt) == 8, "LaneAdmit.prompt");
+SF_STATIC_ASSERT(offsetof(LaneAdmit, sampling) == 32, "LaneAdmit.sampling");
+SF_STATIC_ASSERT(offsetof(LaneAdmit, params) == 40, "LaneAdmit.params");
+SF_STATIC_ASSERT(offsetof(LaneAdmit, rng_counter_base) == 72, "LaneAdmit.rng_counter_base");
+SF_STATIC_ASSERT(offsetof(LaneAdmit, seed_handle) == 96, "LaneAdmit.seed_handle");
+SF_STATIC_ASSERT(offsetof(LaneAdmit, want_logprobs) == 116, "LaneAdmit.want_logprobs");
+SF_STATIC_ASSERT(sizeof(LanePrefill) == 16, "LanePrefill size");
+SF_STATIC_ASSERT(sizeof(LaneDecode) == 16, "LaneDecode size");
+SF_STATIC_ASSERT(offsetof(LaneDecode, overshoot) == 10, "LaneDecode.overshoot");
+SF_STATIC_ASSERT(sizeof(LaneCommit) == 24, "LaneCommit size");
+SF_STATIC_ASSERT(offsetof(LaneCommit, logits_nonce) == 16, "LaneCommit.logits_nonce");
+SF_STATIC_ASSERT(sizeof(LaneRetire) == 16, "LaneRetire size");
+SF_STATIC_ASSERT(sizeof(TickPlan) == 104, "TickPlan size");
+SF_STATIC_ASSERT(offsetof(TickPlan, plan_seq) == 8, "TickPlan.plan_seq");
+SF_STATIC_ASSERT(offsetof(TickPlan, max_evict_bytes) == 32, "TickPlan.max_evict_bytes");
+SF_STATIC_ASSERT(offsetof(TickPlan, admits) == 48, "TickPlan.admits");
+SF_STATIC_ASSERT(offsetof(TickPlan, retires) == 80, "TickPlan.retires");
+SF_STATIC_ASSERT(offsetof(TickPlan, on_partial_emit) == 88, "TickPlan.on_partial_emit");
+SF_STATIC_ASSERT(sizeof(AdmitResult) == 24, "AdmitResult size");
+SF_STATIC_ASSERT(sizeof(SpecStats) == 16, "SpecStats size");
+SF_STATIC_ASSERT(sizeof(LaneEmit) == 88, "LaneEmit size");
+SF_STATIC_ASSERT(offsetof(LaneEmit, logits_row) == 40, "LaneEmit.logits_row");
+SF_STATIC_ASSERT(offsetof(LaneEmit, logits_nonce) == 64, "LaneEmit.logits_nonce");
+SF_STATIC_ASSERT(sizeof(LaneFault) == 24, "LaneFault size");
+SF_STATIC_ASSERT(sizeof(ShedEntry) == 32, "ShedEntry size");
+SF_STATIC_ASSERT(sizeof(ShedReport) == 24, "ShedReport size");
+SF_STATIC_ASSERT(sizeof(OpCompletion) == 40, "OpCompletion size");
+SF_STATIC_ASSERT(sizeof(TickTimings) == 32, "TickTimings size");
+SF_STATIC_ASSERT(sizeof(TickMemCounters) == 48, "TickMemCounters size");
+SF_STATIC_ASSERT(sizeof(LaneLogprob) == 184, "LaneLogprob size");
+SF_STATIC_ASSERT(offsetof(LaneLogprob, top_logprobs) == 104, "LaneLogprob.top_logprobs");
+SF_STATIC_ASSERT(sizeof(TickEvents) == 184, "TickEvents size");
+SF_STATIC_ASSERT(offsetof(TickEvents, shed) == 48, "TickEvents.shed");
+SF_STATIC_ASSERT(offsetof(TickEvents, message) == 88, "TickEvents.message");
+SF_STATIC_ASSERT(offsetof(TickEvents, timings) == 96, "TickEvents.timings");
+SF_STATIC_ASSERT(offsetof(TickEvents, mem) == 128, "TickEvents.mem");
+SF_STATIC_ASSERT(offsetof(TickEvents, worker_epoch) == 176, "TickEvents.worker_epoch");
+SF_STATIC_ASSERT(sizeof(OpEvents) == 24, "OpEvents size");
+SF_STATIC_ASSERT(sizeof(PartialEmit) == 24, "PartialEmit size");
+SF_STATIC_ASSERT(sizeof(WorkerNotice) == 32, "WorkerNotice size");
+SF_STATIC_ASSERT(sizeof(RuntimeDesc) == 64, "RuntimeDesc size");
+SF_STATIC_ASSERT(sizeof(Queue) == 3 * SF_CACHE_LINE, "Queue size");
+SF_STATIC_ASSERT(offsetof(Queue, tail) == SF_CACHE_LINE, "Queue.tail on its own line");
+SF_STATIC_ASSERT(sizeof(DataRing) == 2 * SF_CACHE_LINE, "DataRing size");
+SF_STATIC_ASSERT(sizeof(SegmentLayout) == 64, "SegmentLayout size");
+SF_STATIC_ASSERT(sizeof(WorkerCounters) == 128, "WorkerCounters size");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, worker_epoch) == 1 * SF_CACHE_LINE, "SegmentHeader.worker_epoch line");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, yield_requested) == 2 * SF_CACHE_LINE, "SegmentHeader.yield_requested line");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, latency_wanted) == 3 * SF_CACHE_LINE, "SegmentHeader.latency_wanted line");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, stop_requested) == 4 * SF_CACHE_LINE, "SegmentHeader.stop_requested line");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, runtime) == 5 * SF_CACHE_LINE, "SegmentHeader.runtime line");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, layout) == 6 * SF_CACHE_LINE, "SegmentHeader.layout line");
+SF_STATIC_ASSERT(sizeof(SegmentHeader) == 9 * SF_CACHE_LINE, "SegmentHeader size");
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SUPERFLUID_H */

@@ -1,0 +1,151 @@
+"""The plan codec: a queue slot to a checked TickPlan, events back to a slot.
+
+`decode_plan` is step 1 of SPEC §3: the message, its struct size and every
+span (RejectBounds), enum values and flag bits (RejectIllegalCombination),
+numeric ranges (RejectBounds), and duplicate lane tags inside any list
+(RejectIllegalCombination). Whatever it returns is plain data the tick can
+check against state without re-validating the encoding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from superfluid.abi import (
+    CACHE_CLASSES_ALL,
+    MAX_TOP_LOGPROBS,
+    PARAM_FLAGS_ALL,
+    PLAN_FLAGS_ALL,
+    Determinism,
+    Sampling,
+    Status,
+    codec,
+)
+from superfluid.abi.records import TickEvents, TickPlan
+
+_SAMPLING = frozenset(int(s) for s in Sampling)
+_DETERMINISM = frozenset(int(d) for d in Determinism)
+U32_MAX = (1 << 32) - 1
+
+
+class PlanReject(Exception):
+    """A plan refused whole. `status` is the SPEC §3 status, `field` names
+    the offending field (e.g. "admits[2].params.top_p")."""
+
+    def __init__(self, status: int, field: str, message: str):
+        super().__init__(f"{Status(status).name}: {field}: {message}")
+        self.status = Status(status)
+        self.field = field
+        self.message = message
+
+    @property
+    def detail(self) -> str:
+        """One line for TickEvents.message."""
+        return f"{self.field}: {self.message}"
+
+
+def _illegal(field: str, message: str) -> PlanReject:
+    return PlanReject(Status.RejectIllegalCombination, field, message)
+
+
+def _bounds(field: str, message: str) -> PlanReject:
+    return PlanReject(Status.RejectBounds, field, message)
+
+
+def _no_duplicates(items, field: str) -> None:
+    if len(items) < 2:
+        return
+    seen: set[int] = set()
+    for i, it in enumerate(items):
+        tag = it.lane_tag
+        if tag in seen:
+            raise _illegal(f"{field}[{i}].lane_tag", f"lane {tag} appears twice in {field}")
+        seen.add(tag)
+
+
+def _check_params(p, field: str) -> None:
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "freq_penalty"):
+        v = getattr(p, name)
+        if not math.isfinite(v):
+            raise _bounds(f"{field}.{name}", f"{v} is not finite")
+    if p.top_p < 0:
+        raise _bounds(f"{field}.top_p", f"{p.top_p} < 0 (0 or >= 1 turns it off)")
+    if not 0 <= p.min_p <= 1:
+        raise _bounds(f"{field}.min_p", f"{p.min_p} is outside [0, 1]")
+    if p.repeat_penalty < 0:
+        raise _bounds(f"{field}.repeat_penalty", f"{p.repeat_penalty} < 0 (0 or 1 turns it off)")
+    if p.flags & ~PARAM_FLAGS_ALL:
+        raise _illegal(f"{field}.flags", f"unknown bits {p.flags & ~PARAM_FLAGS_ALL:#x}")
+
+
+def check_plan(plan: TickPlan) -> None:
+    """The record-level checks of a decoded plan (no executor state)."""
+    if plan.flags & ~PLAN_FLAGS_ALL:
+        raise _illegal("TickPlan.flags", f"unknown bits {plan.flags & ~PLAN_FLAGS_ALL:#x}")
+    if plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:
+        raise _illegal("TickPlan.evictable_cache_classes",
+                       f"unknown bits {plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:#x}")
+    for i, a in enumerate(plan.admits):
+        f = f"admits[{i}]"
+        if a.lane_tag == 0:
+            raise _illegal(f"{f}.lane_tag", "lane tag 0 is reserved (it names the cache in shed entries)")
+        if a.sampling not in _SAMPLING:
+            raise _illegal(f"{f}.sampling", f"{a.sampling} is not a sampling mode (0..{max(_SAMPLING)})")
+        if a.determinism_class not in _DETERMINISM:
+            raise _illegal(f"{f}.determinism_class", f"{a.determinism_class} is not a determinism class")
+        if a.want_logprobs > MAX_TOP_LOGPROBS:
+            raise _bounds(f"{f}.want_logprobs", f"{a.want_logprobs} > MAX_TOP_LOGPROBS ({MAX_TOP_LOGPROBS})")
+        _check_params(a.params, f"{f}.params")
+    for i, p in enumerate(plan.prefills):
+        if p.token_offset + p.token_count > U32_MAX:
+            raise _bounds(f"prefills[{i}].token_count", "token_offset + token_count overflows u32")
+    for i, r in enumerate(plan.retires):
+        if r.publish_to_cache > 1:
+            raise _illegal(f"retires[{i}].publish_to_cache", f"{r.publish_to_cache} is not 0 or 1")
+    _no_duplicates(plan.admits, "admits")
+    _no_duplicates(plan.prefills, "prefills")
+    _no_duplicates(plan.decodes, "decodes")
+    _no_duplicates(plan.commits, "commits")
+    _no_duplicates(plan.retires, "retires")
+
+
+def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
+    """A checked TickPlan from a slot message; PlanReject otherwise. Across
+    processes (the default) the partial-emit function pointer is meaningless
+    and is cleared."""
+    try:
+        plan = codec.decode(buf, "TickPlan")
+    except codec.CodecError as e:
+        raise PlanReject(e.status, e.field, e.message) from None
+    check_plan(plan)
+    if not in_process and (plan.on_partial_emit or plan.partial_emit_user):
+        plan = plan._replace(on_partial_emit=0, partial_emit_user=0)
+    return plan
+
+
+def plan_seq_of(buf) -> int:
+    """The plan_seq of a slot message, for answering a plan that did not
+    decode (0 when even that cannot be read)."""
+    try:
+        mv = memoryview(buf).cast("B")
+        kind, record_bytes, _ = codec.read_header(mv)
+        if record_bytes >= 16 and len(mv) >= codec.MSG_HEADER_BYTES + 16:
+            return int.from_bytes(mv[codec.MSG_HEADER_BYTES + 8:codec.MSG_HEADER_BYTES + 16], "little")
+    except codec.CodecError:
+        pass
+    return 0
+
+
+def reject_events(plan_seq: int, reject: PlanReject, *, epoch: int = 0, **fields: Any) -> TickEvents:
+    """The events of a plan that changed nothing."""
+    return TickEvents(plan_seq=plan_seq, status=int(reject.status), message=reject.detail.encode(),
+                      worker_epoch=epoch, **fields)
+
+
+def encode_events_into(buf, events: TickEvents) -> int:
+    return codec.encode_into(buf, "TickEvents", events)
+
+
+def decode_events(buf) -> TickEvents:
+    return codec.decode(buf, "TickEvents")

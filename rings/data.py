@@ -1,0 +1,90 @@
+"""Data rings: prompt tokens, emitted tokens and logits rows (SPEC §1).
+
+A ring is written in order and wraps; a write never splits, so a reference
+is one contiguous run. `RingRef.generation` counts wraps, and a reference is
+good only while its elements are still in the ring: the C side checks it
+before and after copying, so a read that raced an overwrite is refused, not
+returned torn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from superfluid.abi import RingId, Status, ffi, lib
+from superfluid.abi.records import RingRef
+from superfluid.rings.errors import RefError
+
+ELEMENT_DTYPE = {
+    RingId.PROMPT: np.dtype("<u4"),
+    RingId.TOKENS: np.dtype("<u4"),
+    RingId.LOGITS: np.dtype("<f4"),
+}
+
+
+def _cref(ref):
+    """The C RingRef, or None when a field does not fit its width."""
+    try:
+        return ffi.new("RingRef *", tuple(ref))
+    except (OverflowError, TypeError, ValueError):
+        return None
+
+
+class DataRing:
+    """One data ring of a segment. The writer is one process; any process
+    may read."""
+
+    __slots__ = ("_seg", "_view", "ring_id", "dtype", "capacity", "_ref_out")
+
+    def __init__(self, seg, base_ptr, nbytes: int):
+        self._seg = seg
+        self._view = ffi.new("RingView *")
+        if lib.sf_ring_attach(self._view, base_ptr, nbytes) != 0:
+            raise ValueError("data ring header does not fit its region")
+        self.ring_id = RingId(self._view.ring_id)
+        self.dtype = ELEMENT_DTYPE[self.ring_id]
+        self.capacity = int(self._view.capacity)
+        self._ref_out = ffi.new("RingRef *")
+
+    def _live(self) -> None:
+        if self._seg.closed:
+            from superfluid.rings.errors import SegmentClosed
+
+            raise SegmentClosed("segment is closed")
+
+    @property
+    def head(self) -> int:
+        """Elements written so far, skipped tails included."""
+        return lib.sf_load_acquire_u64(ffi.addressof(self._view.r, "head"))
+
+    def write(self, values) -> RingRef:
+        """Append `values` (one contiguous run) and return its reference."""
+        self._live()
+        arr = np.ascontiguousarray(values, dtype=self.dtype)
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
+        out = self._ref_out
+        st = lib.sf_ring_write(self._view, ffi.from_buffer(arr), arr.size, out)
+        if st != Status.OK:
+            raise RefError(st, None, f"{arr.size} elements do not fit a ring of {self.capacity}")
+        return RingRef(out.ring_id, out.generation, out.offset, out.len)
+
+    def check(self, ref: RingRef) -> Status:
+        """OK, RejectBounds or RejectBadRefGeneration, without copying."""
+        self._live()
+        cref = _cref(ref)
+        return Status.RejectBounds if cref is None else Status(lib.sf_ring_check(self._view, cref))
+
+    def read(self, ref: RingRef) -> np.ndarray:
+        """A copy of the referenced elements; RefError when the reference is
+        not good (its status says why)."""
+        self._live()
+        cref = _cref(ref)
+        st = Status.RejectBounds if cref is None else lib.sf_ring_check(self._view, cref)
+        if st == Status.OK:
+            # len is bounded by the capacity once the check passed.
+            out = np.empty(int(ref.len), dtype=self.dtype)
+            st = lib.sf_ring_read(self._view, cref, ffi.from_buffer(out), out.size)
+            if st == Status.OK:
+                return out
+        raise RefError(st, ref, f"ring {self.ring_id.name} cannot serve this reference")

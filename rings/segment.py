@@ -1,0 +1,362 @@
+"""A worker's shared-memory segment (SPEC §1).
+
+One file under /dev/shm per worker, mode 0600, owned by the daemon's user:
+a SegmentHeader, four slot queues (plan, event, op, stream) and three data
+rings (prompt, tokens, logits). The daemon creates it and unlinks it on a
+clean shutdown; the worker and the planner open it and check the owner,
+mode, magic, ABI version and geometry before trusting a byte of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import re
+import stat
+import time
+from typing import Any
+
+from superfluid.abi import ABI_VERSION, CACHE_LINE, MAGIC, RingId, WorkerState, ffi, lib
+from superfluid.abi.records import RuntimeDesc
+from superfluid.rings.data import DataRing
+from superfluid.rings.errors import SegmentClosed, SegmentError
+from superfluid.rings.queue import SlotQueue
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,30}$")
+HEADER_BYTES = ffi.sizeof("SegmentHeader")
+QUEUE_HEADER_BYTES = ffi.sizeof("Queue")
+RING_HEADER_BYTES = ffi.sizeof("DataRing")
+
+
+def shm_dir() -> str:
+    """Where segments live: $SUPERFLUID_SHM_DIR, else /dev/shm."""
+    return os.environ.get("SUPERFLUID_SHM_DIR", "/dev/shm")
+
+
+def segment_path(name: str, index: int) -> str:
+    if not NAME_RE.match(name):
+        raise SegmentError(f"name {name!r}: 1-31 characters of [A-Za-z0-9_.-], starting with a letter or digit")
+    if not 0 <= index < 1 << 16:
+        raise SegmentError(f"worker index {index}: must be in [0, 65536)")
+    return os.path.join(shm_dir(), f"superfluid.{name}.{index}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentConfig:
+    """Sizes of a segment's queues and rings."""
+
+    plan_slots: int = 8
+    plan_slot_bytes: int = 256 << 10
+    event_slots: int = 8
+    event_slot_bytes: int = 1 << 20
+    op_slots: int = 64
+    op_slot_bytes: int = 64 << 10
+    stream_slots: int = 4096
+    stream_slot_bytes: int = 64
+    prompt_tokens: int = 1 << 20
+    emit_tokens: int = 1 << 20
+    logits_floats: int = 1 << 22
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v <= 0:
+                raise SegmentError(f"SegmentConfig.{f.name} = {v!r}: must be a positive int")
+        for q in ("plan", "event", "op", "stream"):
+            n, b = getattr(self, f"{q}_slots"), getattr(self, f"{q}_slot_bytes")
+            if n & (n - 1):
+                raise SegmentError(f"SegmentConfig.{q}_slots = {n}: must be a power of two")
+            if b % CACHE_LINE or b >= 1 << 32:
+                raise SegmentError(f"SegmentConfig.{q}_slot_bytes = {b}: a multiple of {CACHE_LINE} below 4 GiB")
+
+
+def _up(n: int) -> int:
+    return (n + CACHE_LINE - 1) // CACHE_LINE * CACHE_LINE
+
+
+_QUEUES = ("plan", "event", "op", "stream")
+_RINGS = (("prompt", RingId.PROMPT, "prompt_tokens"), ("token", RingId.TOKENS, "emit_tokens"),
+          ("logits", RingId.LOGITS, "logits_floats"))
+
+
+def _plan_layout(cfg: SegmentConfig) -> tuple[dict[str, int], int]:
+    at = _up(HEADER_BYTES)
+    offsets: dict[str, int] = {}
+    for q in _QUEUES:
+        offsets[f"{q}_queue"] = at
+        at = _up(at + lib.sf_queue_bytes(getattr(cfg, f"{q}_slots"), getattr(cfg, f"{q}_slot_bytes")))
+    for r, _, cap in _RINGS:
+        offsets[f"{r}_ring"] = at
+        at = _up(at + lib.sf_ring_bytes(getattr(cfg, cap)))
+    return offsets, at
+
+
+class Segment:
+    """A mapped segment. Use Segment.create (the daemon) or Segment.open."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: bool):
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self._owner = owner
+        self._base = ffi.from_buffer(mm)
+        self.header = ffi.cast("SegmentHeader *", self._base)
+        self.size = len(mm)
+        self.closed = False
+        self._attach()
+
+    # ---------------------------------------------------------- lifecycle
+
+    @classmethod
+    def create(cls, name: str, index: int = 0, config: SegmentConfig | None = None, *,
+               replace: bool = False) -> "Segment":
+        """Make a fresh segment file (mode 0600). `replace`: remove a stale
+        segment of ours with the same name first (a daemon restarted after a
+        crash); a segment of another user is never touched."""
+        cfg = config or SegmentConfig()
+        cfg.check()
+        path = segment_path(name, index)
+        if replace and os.path.lexists(path):
+            st = os.lstat(path)
+            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"{path}: exists and is not a segment of uid {os.geteuid()}; not replacing it")
+            os.unlink(path)
+        offsets, size = _plan_layout(cfg)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            raise SegmentError(f"{path}: a segment of this name exists (another daemon, or a stale one)") from None
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        base = ffi.from_buffer(mm)
+        h = ffi.cast("SegmentHeader *", base)
+        for q in _QUEUES:
+            lib.sf_queue_init(base + offsets[f"{q}_queue"], getattr(cfg, f"{q}_slots"),
+                              getattr(cfg, f"{q}_slot_bytes"))
+        for r, rid, cap in _RINGS:
+            lib.sf_ring_init(base + offsets[f"{r}_ring"], int(rid), getattr(cfg, cap))
+        for k, v in offsets.items():
+            setattr(h.layout, k, v)
+        h.abi_version = ABI_VERSION
+        h.header_bytes = HEADER_BYTES
+        h.segment_bytes = size
+        h.owner_uid = os.geteuid()
+        h.worker_index = index
+        ffi.memmove(h.name, name.encode(), len(name))
+        h.daemon_pid = os.getpid()
+        h.worker_state = WorkerState.EMPTY
+        # Magic last: a segment is not one until everything else is in place.
+        lib.sf_store_release_u64(ffi.addressof(h, "magic"), MAGIC)
+        ffi.release(base)
+        return cls(path, fd, mm, owner=True)
+
+    @classmethod
+    def open(cls, name: str, index: int = 0) -> "Segment":
+        """Map an existing segment after checking its owner, mode, magic,
+        ABI version and geometry."""
+        return cls.open_path(segment_path(name, index))
+
+    @classmethod
+    def open_path(cls, path: str) -> "Segment":
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise SegmentError(f"{path}: no such segment (is the daemon running?)") from None
+        except OSError as e:
+            raise SegmentError(f"{path}: cannot open: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"{path}: not a regular file")
+            if st.st_uid != os.geteuid():
+                raise SegmentError(f"{path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+            if st.st_mode & 0o077:
+                raise SegmentError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o}, expected 0600")
+            if st.st_size < HEADER_BYTES:
+                raise SegmentError(f"{path}: {st.st_size} bytes, shorter than a segment header")
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            return cls(path, fd, mm, owner=False)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
+
+    def _attach(self) -> None:
+        h = self.header
+        try:
+            magic = lib.sf_load_acquire_u64(ffi.addressof(h, "magic"))
+            if magic != MAGIC:
+                raise SegmentError(f"{self.path}: magic {magic:#018x}, expected {MAGIC:#018x} (not a segment)")
+            if h.abi_version != ABI_VERSION:
+                raise SegmentError(f"{self.path}: ABI version {h.abi_version}, this build speaks {ABI_VERSION}")
+            if h.header_bytes != HEADER_BYTES:
+                raise SegmentError(f"{self.path}: header of {h.header_bytes} bytes, expected {HEADER_BYTES}")
+            if h.segment_bytes != self.size:
+                raise SegmentError(f"{self.path}: header says {h.segment_bytes} bytes, the file has {self.size}")
+            if h.owner_uid != os.geteuid():
+                raise SegmentError(f"{self.path}: made by uid {h.owner_uid}, not by this user")
+            self.queues = {q: self._region(q, "queue") for q in _QUEUES}
+            self.rings = {r: self._region(r, "ring") for r, _, _ in _RINGS}
+        except BaseException:
+            self._drop()
+            raise
+        self.plan_queue: SlotQueue = self.queues["plan"]
+        self.event_queue: SlotQueue = self.queues["event"]
+        self.op_queue: SlotQueue = self.queues["op"]
+        self.stream_queue: SlotQueue = self.queues["stream"]
+        self.prompt_ring: DataRing = self.rings["prompt"]
+        self.token_ring: DataRing = self.rings["token"]
+        self.logits_ring: DataRing = self.rings["logits"]
+        self.rings_by_id = {r.ring_id: r for r in self.rings.values()}
+
+    def _region(self, name: str, what: str):
+        off = getattr(self.header.layout, f"{name}_{what}")
+        minimum = QUEUE_HEADER_BYTES if what == "queue" else RING_HEADER_BYTES
+        if off % CACHE_LINE or off < HEADER_BYTES or off > self.size - minimum:
+            raise SegmentError(f"{self.path}: layout.{name}_{what} = {off} is outside the segment")
+        try:
+            if what == "queue":
+                return SlotQueue(self, self._base + off, self.size - off, name)
+            return DataRing(self, self._base + off, self.size - off)
+        except ValueError as e:
+            raise SegmentError(f"{self.path}: {e}") from None
+
+    def _drop(self) -> None:
+        ffi.release(self._base)
+        self._mm.close()
+        os.close(self._fd)
+
+    def close(self) -> None:
+        """Unmap. Queues and rings of this segment refuse use afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self.header = None
+        self._drop()
+
+    def unlink(self) -> None:
+        """Remove the segment's name (the daemon, on a clean shutdown)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _live(self) -> Any:
+        if self.closed:
+            raise SegmentClosed(f"{self.path}: closed")
+        return self.header
+
+    # ------------------------------------------------------ header fields
+
+    def _u32(self, field: str) -> int:
+        return lib.sf_load_acquire_u32(ffi.addressof(self._live(), field))
+
+    def _set_u32(self, field: str, v: int) -> None:
+        lib.sf_store_release_u32(ffi.addressof(self._live(), field), v)
+
+    @property
+    def name(self) -> str:
+        return ffi.string(self._live().name).decode()
+
+    @property
+    def index(self) -> int:
+        return int(self._live().worker_index)
+
+    @property
+    def epoch(self) -> int:
+        return lib.sf_load_acquire_u64(ffi.addressof(self._live(), "worker_epoch"))
+
+    @property
+    def worker_state(self) -> WorkerState:
+        return WorkerState(self._u32("worker_state"))
+
+    def set_worker_state(self, state: int) -> None:
+        h = self._live()
+        h.state_changed_ns = lib.sf_monotonic_ns()
+        self._set_u32("worker_state", int(state))
+        self.wake_all()
+
+    def bump_epoch(self, state: int = WorkerState.STARTING) -> int:
+        """A new worker generation (the daemon, before (re)starting a
+        worker). Waiters on the old epoch wake and see PeerGone."""
+        h = self._live()
+        epoch = lib.sf_fetch_add_u64(ffi.addressof(h, "worker_epoch"), 1) + 1
+        self.set_worker_state(state)
+        return epoch
+
+    @property
+    def yield_requested(self) -> bool:
+        return bool(self._u32("yield_requested"))
+
+    @yield_requested.setter
+    def yield_requested(self, v: bool) -> None:
+        self._set_u32("yield_requested", int(bool(v)))
+
+    @property
+    def latency_wanted(self) -> bool:
+        return bool(self._u32("latency_wanted"))
+
+    @latency_wanted.setter
+    def latency_wanted(self, v: bool) -> None:
+        self._set_u32("latency_wanted", int(bool(v)))
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self._u32("stop_requested"))
+
+    def request_stop(self, stop: bool = True) -> None:
+        self._set_u32("stop_requested", int(stop))
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Wake every sleeper on every queue (they re-check epoch and state)."""
+        for q in self.queues.values():
+            q.wake_all()
+
+    @property
+    def runtime(self) -> RuntimeDesc:
+        r = self._live().runtime
+        return RuntimeDesc(ffi.string(r.runtime_id, len(r.runtime_id)), r.vocab_size, r.max_batch, r.max_seq_len,
+                           r.max_seqs, r.page, r.prefill_step_tokens, r.flags)
+
+    @runtime.setter
+    def runtime(self, desc: RuntimeDesc) -> None:
+        r = self._live().runtime
+        rid = desc.runtime_id.encode() if isinstance(desc.runtime_id, str) else bytes(desc.runtime_id)
+        if len(rid) > len(r.runtime_id):
+            raise SegmentError(f"RuntimeDesc.runtime_id: at most {len(r.runtime_id)} bytes")
+        ffi.memmove(r.runtime_id, rid.ljust(len(r.runtime_id), b"\0"), len(r.runtime_id))
+        for f in RuntimeDesc._fields[1:]:
+            setattr(r, f, getattr(desc, f))
+
+    @property
+    def counters(self):
+        """The worker's live counters (a cffi view: read or write fields)."""
+        return self._live().counters
+
+    def describe(self) -> dict[str, Any]:
+        h = self._live()
+        return {
+            "path": self.path, "name": self.name, "index": self.index, "epoch": self.epoch,
+            "state": self.worker_state.name, "worker_pid": h.worker_pid, "daemon_pid": h.daemon_pid,
+            "restarts": h.restarts, "last_exit_status": h.last_exit_status,
+            "state_age_s": max(0.0, (lib.sf_monotonic_ns() - h.state_changed_ns) / 1e9) if h.state_changed_ns else None,
+            "bytes": self.size, "time": time.time(),
+        }
