@@ -5,24 +5,30 @@ record right after it, and the arena from the next 8-byte boundary. Spans
 inside the record (and inside arena records) are `{offset, count}` into the
 arena. Decoding trusts nothing: sizes, kinds and every span are checked and a
 failure is a CodecError carrying the status (RejectBounds) and the field.
+
+Speed: each record gets a precompiled `struct.Struct` (its C layout, padding
+included, read from cffi) and a generated pair of functions that turn the
+flat field tuple into the nested record and back, so a message is one
+pack_into / unpack_from plus one call per non-empty span.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import struct
+from itertools import chain
+from typing import Any, Callable
 
-import numpy as np
+from superfluid.abi import ARENA_ALIGN, Status, ffi
+from superfluid.abi.records import CLASSES, LAYOUTS, TOP_LEVEL, is_hidden
 
-from superfluid.abi import ARENA_ALIGN, Status, ffi, record_dtype
-from superfluid.abi.records import CLASSES, LAYOUTS, TOP_LEVEL
-
-MSG_HEADER_BYTES = ffi.sizeof("MsgHeader")
-_MSG_DT = record_dtype("MsgHeader")
+_HDR = struct.Struct("<IIQ")
+MSG_HEADER_BYTES = _HDR.size
+assert MSG_HEADER_BYTES == ffi.sizeof("MsgHeader")
 
 
 class CodecError(Exception):
     """A message that cannot be decoded: `status` says which reject, `field`
-    names where (e.g. "admits[3].prompt"), `message` says why."""
+    names where (e.g. "TickPlan.admits"), `message` says why."""
 
     def __init__(self, status: int, field: str, message: str):
         super().__init__(f"{Status(status).name}: {field}: {message}")
@@ -45,207 +51,352 @@ def arena_offset(record_bytes: int) -> int:
     return MSG_HEADER_BYTES + align(record_bytes)
 
 
+def _bounds(field: str, message: str) -> CodecError:
+    return CodecError(Status.RejectBounds, field, message)
+
+
+# ------------------------------------------------------- layout → struct
+
+_PRIM = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q", "int8_t": "b", "int16_t": "h",
+         "int32_t": "i", "int64_t": "q", "float": "f", "double": "d"}
+
+
+def _fmt(name: str) -> tuple[str, list[tuple[str, str]]]:
+    """struct format of struct `name` (no byte-order prefix) and the flat
+    list of (field path, format code) of its visible fields."""
+    ct = ffi.typeof(name)
+    out, fields, at = [], [], 0
+    for fname, fld in ct.fields:
+        size = ffi.sizeof(fld.type)
+        if fld.offset > at:
+            out.append(f"{fld.offset - at}x")
+        at = fld.offset + size
+        t = fld.type
+        if is_hidden(fname):
+            out.append(f"{size}x")
+        elif t.kind == "struct":
+            sub, subfields = _fmt(t.cname.removeprefix("struct "))
+            out.append(sub)
+            fields += [(f"{fname}.{p}", c) for p, c in subfields]
+        elif t.kind == "array" and t.item.cname == "char":
+            out.append(f"{t.length}s")
+            fields.append((fname, f"{t.length}s"))
+        elif t.kind == "array":
+            c = _PRIM[t.item.cname]
+            out.append(f"{t.length}{c}")
+            fields += [(f"{fname}[{i}]", c) for i in range(t.length)]
+        else:
+            out.append(_PRIM[t.cname])
+            fields.append((fname, _PRIM[t.cname]))
+    if ffi.sizeof(ct) > at:
+        out.append(f"{ffi.sizeof(ct) - at}x")
+    return "".join(out), fields
+
+
+class RecordCodec:
+    """The packer of one record type."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.cls = CLASSES[name]
+        self.size = ffi.sizeof(name)
+        body, self.fields = _fmt(name)
+        self.body = body
+        self.struct = struct.Struct("<" + body)
+        assert self.struct.size == self.size, name
+        self.flat = all(f.kind == "scalar" for f in LAYOUTS[name])
+        self.has_struct_size = LAYOUTS[name][0].name == "struct_size"
+        pad = arena_offset(self.size) - MSG_HEADER_BYTES - self.size
+        # The message: header, record and the padding up to the arena, in one pack.
+        self.message = struct.Struct("<IIQ" + body + (f"{pad}x" if pad else ""))
+        self._many: dict[int, struct.Struct] = {}
+        self.unflatten: Callable[[tuple, memoryview, str], Any]
+        self.flatten: Callable[[Any, bytearray, str], tuple]
+
+    def many(self, n: int) -> struct.Struct:
+        s = self._many.get(n)
+        if s is None:
+            s = struct.Struct("<" + self.body * n)
+            if n <= 1024:
+                self._many[n] = s
+        return s
+
+
+CODECS: dict[str, RecordCodec] = {}
+
+
+def _gen(name: str) -> None:
+    """Generate flatten/unflatten for `name` (and the records it holds)."""
+    c = CODECS[name] = RecordCodec(name)
+    env: dict[str, Any] = {"_span": _read_span, "_place": _place, "_arr": _arr, "_chars": _chars,
+                           "_NO_SPAN": (0, 0), "_tn": tuple.__new__}
+
+    def need(rec: str) -> None:
+        for f in LAYOUTS[rec]:
+            if f.kind == "span" and f.sub is not bytes and f.sub not in CODECS:
+                _gen(f.sub)
+            elif f.kind == "struct":
+                need(f.sub)
+
+    need(name)
+
+    def unflat(rec: str, idx: int) -> tuple[str, int]:
+        env[f"C_{rec}"] = CLASSES[rec]
+        parts = []
+        for f in LAYOUTS[rec]:
+            if f.kind == "scalar":
+                parts.append(f"t[{idx}]")
+                idx += 1
+            elif f.kind == "struct":
+                e, idx = unflat(f.sub, idx)
+                parts.append(e)
+            elif f.kind == "array":
+                parts.append(f"t[{idx}:{idx + f.length}]")
+                idx += f.length
+            elif f.kind == "chars":
+                parts.append(f"t[{idx}].rstrip(b'\\0')")
+                idx += 1
+            else:
+                item = "None" if f.sub is bytes else f"K_{f.sub}"
+                if f.sub is not bytes:
+                    env[item] = CODECS[f.sub]
+                empty = "b''" if f.sub is bytes else "()"
+                parts.append(f"(_span(a, t[{idx}], t[{idx + 1}], {item}, p, {f.name!r}) "
+                             f"if t[{idx}] or t[{idx + 1}] else {empty})")
+                idx += 2
+        # tuple.__new__ straight from C: a namedtuple's own __new__ is a Python frame.
+        return f"_tn(C_{rec}, ({', '.join(parts)},))", idx
+
+    def flat(rec: str, var: str, top: bool) -> list[str]:
+        parts = []
+        for i, f in enumerate(LAYOUTS[rec]):
+            v = f"{var}[{i}]"
+            if f.kind == "scalar":
+                parts.append(f"({v} or {CODECS[name].size})" if top and i == 0 and f.name == "struct_size" else v)
+            elif f.kind == "struct":
+                parts += flat(f.sub, v, False)
+            elif f.kind == "array":
+                parts.append(f"*_arr({v}, {f.length})")
+            elif f.kind == "chars":
+                parts.append(f"_chars({v}, {f.length})")
+            else:
+                item = "None" if f.sub is bytes else f"K_{f.sub}"
+                parts.append(f"*(_place(a, {v}, {item}) if {v} else _NO_SPAN)")
+        return parts
+
+    expr, _ = unflat(name, 0)
+    src = (f"def unflatten(t, a, p):\n    return {expr}\n"
+           f"def flatten(r, a, p):\n    return ({', '.join(flat(name, 'r', True))},)\n")
+    exec(compile(src, f"<codec {name}>", "exec"), env)
+    c.unflatten = env["unflatten"]
+    c.flatten = env["flatten"]
+
+
+def _arr(v, length: int) -> tuple:
+    v = tuple(v)
+    if len(v) > length:
+        raise EncodeError(f"at most {length} values, got {len(v)}")
+    return v + (0,) * (length - len(v)) if len(v) < length else v
+
+
+def _chars(v, length: int) -> bytes:
+    b = v.encode() if isinstance(v, str) else bytes(v)
+    if len(b) > length:
+        raise EncodeError(f"at most {length} bytes, got {len(b)}")
+    return b
+
+
+def _place(arena: bytearray, items, item: RecordCodec | None) -> tuple[int, int]:
+    if not items:
+        return (0, 0)
+    if item is None:
+        data = items.encode() if isinstance(items, str) else bytes(items)
+        n = len(data)
+    else:
+        n = len(items)
+        rows = [item.flatten(it, arena, item.name) for it in items]
+        try:
+            data = item.many(n).pack(*chain.from_iterable(rows))
+        except (struct.error, OverflowError) as e:
+            for i, row in enumerate(rows):
+                try:
+                    item.struct.pack(*row)
+                except (struct.error, OverflowError):
+                    raise EncodeError(f"[{i}]: {_diagnose(item, items[i], e)}") from None
+            raise EncodeError(f"{item.name}: {e}") from None
+    off = align(len(arena))
+    if off > len(arena):
+        arena.extend(bytes(off - len(arena)))
+    arena.extend(data)
+    return (off, n)
+
+
+def _read_span(arena: memoryview, off: int, count: int, item: RecordCodec | None, parent: str, fname: str):
+    if count == 0 and off == 0:
+        return b"" if item is None else ()
+    n = len(arena)
+    if off % ARENA_ALIGN:
+        raise _bounds(f"{parent}.{fname}", f"span offset {off} is not a multiple of {ARENA_ALIGN}")
+    if off > n:
+        raise _bounds(f"{parent}.{fname}", f"span offset {off} is past the arena ({n} bytes)")
+    if item is None:
+        if count > n - off:
+            raise _bounds(f"{parent}.{fname}", f"span of {count} bytes at {off} overruns the arena ({n} bytes)")
+        return bytes(arena[off:off + count])
+    if count > (n - off) // item.size:
+        raise _bounds(f"{parent}.{fname}",
+                      f"span of {count} {item.name} at {off} overruns the arena ({n} bytes)")
+    if count == 0:
+        return ()
+    rows = item.struct.iter_unpack(arena[off:off + count * item.size])
+    if item.flat:
+        cls = item.cls
+        return tuple([tuple.__new__(cls, r) for r in rows])
+    return tuple(item.unflatten(t, arena, f"{parent}.{fname}[{i}]") for i, t in enumerate(rows))
+
+
+for _name in TOP_LEVEL:
+    _gen(_name)
+for _name in CLASSES:
+    if _name not in CODECS:
+        _gen(_name)
+
+
 # ------------------------------------------------------------------ encode
 
 
-class _Arena:
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-    def place(self, data: bytes) -> int:
-        if not data:
-            return 0
-        off = align(len(self.buf))
-        self.buf.extend(b"\0" * (off - len(self.buf)))
-        self.buf.extend(data)
-        return off
-
-
-def _to_tuple(name: str, rec: Any, arena: _Arena, path: str) -> tuple:
-    out = []
-    layout = LAYOUTS[name]
-    if len(rec) != len(layout):
-        raise EncodeError(f"{path}: {name} takes {len(layout)} fields, got {len(rec)}")
-    for f, v in zip(layout, rec):
-        kind = f.kind
-        if kind == "scalar":
-            out.append(v)
-        elif kind == "struct":
-            out.append(_to_tuple(f.sub, v, arena, f"{path}.{f.name}"))
-        elif kind == "array":
-            v = tuple(v)
-            if len(v) > f.length:
-                raise EncodeError(f"{path}.{f.name}: at most {f.length} values, got {len(v)}")
-            out.append(v + (0,) * (f.length - len(v)))
-        elif kind == "chars":
-            b = v.encode() if isinstance(v, str) else bytes(v)
-            if len(b) > f.length:
-                raise EncodeError(f"{path}.{f.name}: at most {f.length} bytes, got {len(b)}")
-            out.append(b)
-        else:  # span
-            if f.sub is bytes:
-                b = v.encode() if isinstance(v, str) else bytes(v)
-                out.append((arena.place(b), len(b)))
-            else:
-                items = [_to_tuple(f.sub, it, arena, f"{path}.{f.name}[{i}]") for i, it in enumerate(v)]
-                data = np.array(items, dtype=record_dtype(f.sub)).tobytes() if items else b""
-                out.append((arena.place(data), len(items)))
-    return tuple(out)
-
-
-def _prepare(name: str, record: Any) -> tuple[int, bytes, bytearray]:
-    size = ffi.sizeof(name)
-    if LAYOUTS[name][0].name == "struct_size" and record[0] == 0:
-        record = record._replace(struct_size=size)
-    arena = _Arena()
+def _diagnose(c: RecordCodec, record: Any, err: Exception) -> EncodeError:
+    """Which field made the pack fail (the slow path, errors only)."""
     try:
-        top = _to_tuple(name, record, arena, name)
-        rec = np.array([top], dtype=record_dtype(name)).tobytes()
-    except EncodeError:
-        raise
-    except (OverflowError, ValueError, TypeError) as e:
-        raise EncodeError(f"{name}: {e}") from e
-    return size, rec, arena.buf
+        flat = c.flatten(record, bytearray(), c.name)
+    except EncodeError as e:
+        return EncodeError(f"{c.name}: {e}")
+    except (IndexError, TypeError, AttributeError) as e:
+        return EncodeError(f"{c.name}: not a {c.name} record ({e})")
+    for (path, code), v in zip(c.fields, flat):
+        try:
+            struct.pack("<" + code, v)
+        except (struct.error, OverflowError, TypeError) as e:
+            return EncodeError(f"{c.name}.{path} = {v!r}: {e}")
+    return EncodeError(f"{c.name}: {err}")
 
 
-def _write(mv: memoryview, kind: int, size: int, rec: bytes, arena: bytearray) -> int:
-    start = arena_offset(size)
-    total = start + len(arena)
-    if total > len(mv):
-        raise EncodeError(f"message needs {total} bytes, the slot has {len(mv)}")
-    np.frombuffer(mv, dtype=_MSG_DT, count=1, offset=0)[0] = (kind, size, len(arena))
-    mv[MSG_HEADER_BYTES:MSG_HEADER_BYTES + size] = rec
-    mv[MSG_HEADER_BYTES + size:start] = bytes(start - MSG_HEADER_BYTES - size)
-    mv[start:total] = arena
-    return total
+def _flatten(c: RecordCodec, record: Any) -> tuple[tuple, bytearray]:
+    arena = bytearray()
+    try:
+        return c.flatten(record, arena, c.name), arena
+    except EncodeError as e:
+        raise _diagnose(c, record, e) from None
+    except (IndexError, TypeError, AttributeError, struct.error, OverflowError) as e:
+        raise _diagnose(c, record, e) from None
 
 
 def encode_into(buf, name: str, record: Any, kind: int | None = None) -> int:
     """Write `record` (struct `name`) with its arena into the writable buffer
     `buf`, from offset 0. Returns the bytes written."""
-    kind = TOP_LEVEL[name] if kind is None else kind
-    return _write(memoryview(buf).cast("B"), kind, *_prepare(name, record))
+    c = CODECS[name]
+    flat, arena = _flatten(c, record)
+    start = c.message.size
+    total = start + len(arena)
+    if total > len(buf):
+        raise EncodeError(f"{name}: message needs {total} bytes, the slot has {len(buf)}")
+    try:
+        c.message.pack_into(buf, 0, TOP_LEVEL[name] if kind is None else kind, c.size, len(arena), *flat)
+    except (struct.error, OverflowError) as e:
+        raise _diagnose(c, record, e) from None
+    if arena:
+        buf[start:total] = arena
+    return total
 
 
 def encode(name: str, record: Any, kind: int | None = None) -> bytes:
     """`record` as the bytes of a slot message."""
-    kind = TOP_LEVEL[name] if kind is None else kind
-    size, rec, arena = _prepare(name, record)
-    buf = bytearray(arena_offset(size) + len(arena))
-    _write(memoryview(buf), kind, size, rec, arena)
-    return bytes(buf)
+    c = CODECS[name]
+    flat, arena = _flatten(c, record)
+    try:
+        head = c.message.pack(TOP_LEVEL[name] if kind is None else kind, c.size, len(arena), *flat)
+    except (struct.error, OverflowError) as e:
+        raise _diagnose(c, record, e) from None
+    return head + arena
+
+
+def pack_record(name: str, record: Any) -> bytes:
+    """One record (no spans) as its C bytes, padding zeroed."""
+    c = CODECS[name]
+    flat, arena = _flatten(c, record)
+    if arena:
+        raise EncodeError(f"{name}: holds spans; encode it as a message")
+    try:
+        return c.struct.pack(*flat)
+    except (struct.error, OverflowError) as e:
+        raise _diagnose(c, record, e) from None
+
+
+def unpack_record(name: str, data) -> Any:
+    """The record of C bytes written by pack_record (or by C)."""
+    c = CODECS[name]
+    if len(data) < c.size:
+        raise _bounds(name, f"{len(data)} bytes, shorter than {name} ({c.size})")
+    return c.unflatten(c.struct.unpack_from(data, 0), memoryview(b""), name)
 
 
 # ------------------------------------------------------------------ decode
 
 
-def _bounds(field: str, message: str) -> CodecError:
-    return CodecError(Status.RejectBounds, field, message)
-
-
-def _from_tuple(name: str, t: tuple, arena: memoryview, path: str) -> Any:
-    layout = LAYOUTS[name]
-    vals = list(t)
-    for i, f in enumerate(layout):
-        kind = f.kind
-        if kind == "struct":
-            vals[i] = _from_tuple(f.sub, vals[i], arena, f"{path}.{f.name}")
-        elif kind == "array":
-            vals[i] = tuple(vals[i])
-        elif kind == "span":
-            vals[i] = _read_span(arena, vals[i], f.sub, f"{path}.{f.name}")
-    return CLASSES[name]._make(vals)
-
-
-def _read_span(arena: memoryview, span: tuple, item: str | type, path: str):
-    off, count = span
-    n = len(arena)
-    if off % ARENA_ALIGN:
-        raise _bounds(path, f"span offset {off} is not a multiple of {ARENA_ALIGN}")
-    if off > n:
-        raise _bounds(path, f"span offset {off} is past the arena ({n} bytes)")
-    if item is bytes:
-        if count > n - off:
-            raise _bounds(path, f"span of {count} bytes at {off} overruns the arena ({n} bytes)")
-        return bytes(arena[off:off + count])
-    dt = record_dtype(item)
-    if count > (n - off) // dt.itemsize:
-        raise _bounds(path, f"span of {count} {item} at {off} overruns the arena ({n} bytes)")
-    if count == 0:
-        return ()
-    rows = np.frombuffer(arena, dtype=dt, count=count, offset=off).tolist()
-    if _FLAT[item]:
-        make = CLASSES[item]._make
-        return tuple(make(r) for r in rows)
-    return tuple(_from_tuple(item, r, arena, f"{path}[{i}]") for i, r in enumerate(rows))
-
-
-def _flat(name: str) -> bool:
-    return all(f.kind == "scalar" for f in LAYOUTS[name])
-
-
-_FLAT = {name: _flat(name) for name in LAYOUTS}
-
-
 def read_header(buf) -> tuple[int, int, int]:
     """(kind, record_bytes, arena_bytes) of a slot message."""
-    mv = memoryview(buf).cast("B")
-    if len(mv) < MSG_HEADER_BYTES:
-        raise _bounds("MsgHeader", f"{len(mv)} bytes, shorter than a message header")
-    return tuple(np.frombuffer(mv, dtype=_MSG_DT, count=1, offset=0).tolist()[0])
+    if len(buf) < MSG_HEADER_BYTES:
+        raise _bounds("MsgHeader", f"{len(buf)} bytes, shorter than a message header")
+    return _HDR.unpack_from(buf, 0)
 
 
 def decode(buf, name: str, kind: int | None = None) -> Any:
     """The record `name` of a slot message, with every span read."""
-    mv = memoryview(buf).cast("B")
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if mv.itemsize != 1:
+        mv = mv.cast("B")
     got_kind, record_bytes, arena_bytes = read_header(mv)
+    c = CODECS[name]
     want_kind = TOP_LEVEL[name] if kind is None else kind
     if got_kind != want_kind:
-        raise CodecError(Status.RejectBounds, "MsgHeader.kind", f"message kind {got_kind}, expected {want_kind}")
-    size = ffi.sizeof(name)
-    if record_bytes != size:
-        raise _bounds("MsgHeader.record_bytes", f"{record_bytes}, but {name} is {size} bytes in ABI v1")
-    start = arena_offset(size)
+        raise _bounds("MsgHeader.kind", f"message kind {got_kind}, expected {want_kind}")
+    if record_bytes != c.size:
+        raise _bounds("MsgHeader.record_bytes", f"{record_bytes}, but {name} is {c.size} bytes in ABI v1")
+    start = c.message.size
     if len(mv) < start:
         raise _bounds(name, f"message of {len(mv)} bytes is shorter than {name}")
     if arena_bytes > len(mv) - start:
         raise _bounds("MsgHeader.arena_bytes", f"{arena_bytes} bytes overrun the slot ({len(mv) - start} left)")
-    t = np.frombuffer(mv, dtype=record_dtype(name), count=1, offset=MSG_HEADER_BYTES).tolist()[0]
-    layout = LAYOUTS[name]
-    if layout[0].name == "struct_size" and t[0] != size:
-        raise _bounds(f"{name}.struct_size", f"{t[0]}, but {name} is {size} bytes in ABI v1")
-    return _from_tuple(name, t, mv[start:start + arena_bytes], name)
+    t = c.struct.unpack_from(mv, MSG_HEADER_BYTES)
+    if c.has_struct_size and t[0] != c.size:
+        raise _bounds(f"{name}.struct_size", f"{t[0]}, but {name} is {c.size} bytes in ABI v1")
+    return c.unflatten(t, mv[start:start + arena_bytes], name)
 
 
 def write_raw(buf, kind: int, payload: bytes) -> int:
     """A message with no record: MsgHeader {kind, 0, len(payload)} + payload
     (the arena starts right after the header)."""
-    mv = memoryview(buf).cast("B")
     total = MSG_HEADER_BYTES + len(payload)
-    if total > len(mv):
-        raise EncodeError(f"raw message needs {total} bytes, the slot has {len(mv)}")
-    np.frombuffer(mv, dtype=_MSG_DT, count=1, offset=0)[0] = (kind, 0, len(payload))
-    mv[MSG_HEADER_BYTES:total] = payload
+    if total > len(buf):
+        raise EncodeError(f"raw message needs {total} bytes, the slot has {len(buf)}")
+    _HDR.pack_into(buf, 0, kind, 0, len(payload))
+    buf[MSG_HEADER_BYTES:total] = payload
     return total
 
 
 def copy_message(buf) -> tuple[int, bytes]:
     """(kind, bytes of the whole message) copied out of a slot, its lengths
     checked against the slot."""
-    mv = memoryview(buf).cast("B")
-    kind, record_bytes, arena_bytes = read_header(mv)
+    kind, record_bytes, arena_bytes = read_header(buf)
     start = arena_offset(record_bytes) if record_bytes else MSG_HEADER_BYTES
-    if start > len(mv) or arena_bytes > len(mv) - start:
+    if start > len(buf) or arena_bytes > len(buf) - start:
         raise _bounds("MsgHeader", f"record {record_bytes} + arena {arena_bytes} bytes overrun the slot")
-    return kind, bytes(mv[:start + arena_bytes])
+    return kind, bytes(buf[:start + arena_bytes])
 
 
 def raw_payload(buf) -> bytes:
     """The payload of a raw message written by write_raw."""
-    mv = memoryview(buf).cast("B")
-    kind, record_bytes, arena_bytes = read_header(mv)
-    if record_bytes != 0 or arena_bytes > len(mv) - MSG_HEADER_BYTES:
+    kind, record_bytes, arena_bytes = read_header(buf)
+    if record_bytes != 0 or arena_bytes > len(buf) - MSG_HEADER_BYTES:
         raise _bounds("MsgHeader", f"not a raw message (record {record_bytes}, payload {arena_bytes} bytes)")
-    return bytes(mv[MSG_HEADER_BYTES:MSG_HEADER_BYTES + arena_bytes])
+    return bytes(buf[MSG_HEADER_BYTES:MSG_HEADER_BYTES + arena_bytes])

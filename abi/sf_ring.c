@@ -13,6 +13,8 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -74,6 +76,11 @@ static int peer_check(const SegmentHeader *seg, uint64_t epoch, int watch_stop) 
         return SF_WAIT_GONE;
     uint32_t state = __atomic_load_n(&seg->worker_state, ACQUIRE);
     if (state == SF_WORKER_STOPPED || state == SF_WORKER_DEAD || state == SF_WORKER_GAVE_UP)
+        return SF_WAIT_GONE;
+    /* A worker killed before the daemon could mark it (or with no daemon
+     * left to) is gone all the same. */
+    uint32_t pid = __atomic_load_n(&seg->worker_pid, ACQUIRE);
+    if (state == SF_WORKER_READY && pid != 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH)
         return SF_WAIT_GONE;
     if (watch_stop && __atomic_load_n(&seg->stop_requested, ACQUIRE))
         return SF_WAIT_STOP;
@@ -184,7 +191,7 @@ static int wait_for(QueueView *v, ready_fn ready, uint64_t *word, uint32_t *slee
     uint64_t spin_end = start + (uint64_t)(spin_ns > 0 ? spin_ns : 0);
     if (spin_end > deadline)
         spin_end = deadline;
-    for (;;) {
+    for (int rounds = 0;; rounds++) {
         for (int i = 0; i < 32; i++) {
             if (ready(v, &seen))
                 return SF_WAIT_READY;
@@ -192,6 +199,9 @@ static int wait_for(QueueView *v, ready_fn ready, uint64_t *word, uint32_t *slee
         }
         if (sf_monotonic_ns() >= spin_end)
             break;
+        /* Now and then let a peer that shares this CPU run. */
+        if (rounds % 16 == 15)
+            sched_yield();
     }
     for (;;) {
         uint64_t now = sf_monotonic_ns();
@@ -338,4 +348,35 @@ uint32_t sf_ring_read(const RingView *v, const RingRef *ref, void *dst, uint64_t
     if (abs + v->capacity < __atomic_load_n(&v->r->reserve, RELAXED))
         return SF_STATUS_RejectBadRefGeneration;
     return SF_STATUS_OK;
+}
+
+int64_t sf_queue_reserve_at(QueueView *v) {
+    uint64_t head = __atomic_load_n(&v->q->head, RELAXED);
+    uint64_t tail = __atomic_load_n(&v->q->tail, ACQUIRE);
+    return head - tail >= v->n_slots ? -1 : (int64_t)(head & (v->n_slots - 1));
+}
+
+int64_t sf_queue_peek_at(QueueView *v) {
+    uint64_t tail = __atomic_load_n(&v->q->tail, RELAXED);
+    if (__atomic_load_n(&v->q->head, ACQUIRE) == tail)
+        return -1;
+    return (int64_t)(tail & (v->n_slots - 1));
+}
+
+int64_t sf_queue_wait_reserve(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                              int64_t timeout_ns, int64_t spin_ns) {
+    int64_t i = sf_queue_reserve_at(v);
+    if (i >= 0)
+        return i;
+    int r = sf_queue_wait_writable(v, seg, epoch, watch_stop, timeout_ns, spin_ns);
+    return r == SF_WAIT_READY ? sf_queue_reserve_at(v) : -(int64_t)r;
+}
+
+int64_t sf_queue_wait_peek(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                           int64_t timeout_ns, int64_t spin_ns) {
+    int64_t i = sf_queue_peek_at(v);
+    if (i >= 0)
+        return i;
+    int r = sf_queue_wait_readable(v, seg, epoch, watch_stop, timeout_ns, spin_ns);
+    return r == SF_WAIT_READY ? sf_queue_peek_at(v) : -(int64_t)r;
 }

@@ -561,7 +561,8 @@ void sf_queue_release(QueueView *v);
 uint64_t sf_queue_len(const QueueView *v);
 /* Spin for spin_ns, then sleep on the futex in slices of at most
  * SF_WAIT_SLICE_NS, checking the segment before each: SF_WAIT_GONE when
- * seg->worker_epoch != epoch or the worker is STOPPED/DEAD/GAVE_UP,
+ * seg->worker_epoch != epoch, the worker is STOPPED/DEAD/GAVE_UP, or it is
+ * READY but its worker_pid no longer exists,
  * SF_WAIT_STOP when stop_requested is set and watch_stop. seg may be NULL.
  * timeout_ns < 0 waits with no deadline (still checking the segment). */
 int sf_queue_wait_readable(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
@@ -570,6 +571,15 @@ int sf_queue_wait_writable(QueueView *v, const SegmentHeader *seg, uint64_t epoc
                            int64_t timeout_ns, int64_t spin_ns);
 /* Wake every sleeper on the queue (after an epoch change or a stop). */
 void sf_queue_wake_all(QueueView *v);
+/* The same as slot indexes, for callers that keep their own slot table:
+ * *_at return the index try_reserve/try_peek would give, or -1; wait_*
+ * wait as above, then return the index, or -SF_WAIT_TIMEOUT/GONE/STOP. */
+int64_t sf_queue_reserve_at(QueueView *v);
+int64_t sf_queue_peek_at(QueueView *v);
+int64_t sf_queue_wait_reserve(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                              int64_t timeout_ns, int64_t spin_ns);
+int64_t sf_queue_wait_peek(QueueView *v, const SegmentHeader *seg, uint64_t epoch, int watch_stop,
+                           int64_t timeout_ns, int64_t spin_ns);
 
 /* Data rings of 4-byte elements. write: SF_STATUS_OK, or
  * SF_STATUS_RejectBounds when n exceeds the capacity. check/read:

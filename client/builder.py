@@ -7,8 +7,6 @@ the records are filled.
 
 from __future__ import annotations
 
-from typing import Any
-
 from superfluid.abi import Sampling, codec
 from superfluid.abi.records import (
     LaneAdmit,
@@ -85,13 +83,11 @@ class PlanBuilder:
     def build(self) -> TickPlan:
         """The plan record. max_decode_lanes defaults to the decodes added."""
         mdl = len(self.decodes) if self.max_decode_lanes is None else self.max_decode_lanes
-        return TickPlan(
-            plan_seq=self.plan_seq, flags=int(self.flags), max_decode_lanes=mdl,
-            prefill_token_budget=self.prefill_token_budget,
-            evictable_cache_classes=int(self.evictable_cache_classes), max_evict_bytes=self.max_evict_bytes,
-            protected_quota_bytes=self.protected_quota_bytes, admits=tuple(self.admits),
-            prefills=tuple(self.prefills), decodes=tuple(self.decodes), commits=tuple(self.commits),
-            retires=tuple(self.retires))
+        # Positional: this runs once per tick on the planner's hot path.
+        return TickPlan(0, self.plan_seq, int(self.flags), mdl, self.prefill_token_budget,
+                        int(self.evictable_cache_classes), self.max_evict_bytes, self.protected_quota_bytes,
+                        tuple(self.admits), tuple(self.prefills), tuple(self.decodes), tuple(self.commits),
+                        tuple(self.retires), 0, 0)
 
     def encode(self) -> bytes:
         return codec.encode("TickPlan", self.build())
@@ -103,9 +99,4 @@ class PlanBuilder:
 def read_events(buf) -> TickEvents:
     """TickEvents of an event-queue message (CodecError if malformed)."""
     return codec.decode(buf, "TickEvents")
-
-
-def emits_by_lane(events: TickEvents) -> dict[int, Any]:
-    return {e.lane_tag: e for e in events.emits}
-
 

@@ -54,8 +54,6 @@ def _bounds(field: str, message: str) -> PlanReject:
 
 
 def _no_duplicates(items, field: str) -> None:
-    if len(items) < 2:
-        return
     seen: set[int] = set()
     for i, it in enumerate(items):
         tag = it.lane_tag
@@ -86,6 +84,9 @@ def check_plan(plan: TickPlan) -> None:
     if plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:
         raise _illegal("TickPlan.evictable_cache_classes",
                        f"unknown bits {plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:#x}")
+    if not (plan.admits or plan.prefills or plan.retires):
+        if len(plan.decodes) < 2 and len(plan.commits) < 2:
+            return  # nothing below can fail: the common decode-only tick
     for i, a in enumerate(plan.admits):
         f = f"admits[{i}]"
         if a.lane_tag == 0:
@@ -103,11 +104,10 @@ def check_plan(plan: TickPlan) -> None:
     for i, r in enumerate(plan.retires):
         if r.publish_to_cache > 1:
             raise _illegal(f"retires[{i}].publish_to_cache", f"{r.publish_to_cache} is not 0 or 1")
-    _no_duplicates(plan.admits, "admits")
-    _no_duplicates(plan.prefills, "prefills")
-    _no_duplicates(plan.decodes, "decodes")
-    _no_duplicates(plan.commits, "commits")
-    _no_duplicates(plan.retires, "retires")
+    for field in ("admits", "prefills", "decodes", "commits", "retires"):
+        items = getattr(plan, field)
+        if len(items) > 1 and len({it.lane_tag for it in items}) != len(items):
+            _no_duplicates(items, field)
 
 
 def decode_plan(buf, *, in_process: bool = False) -> TickPlan:

@@ -16,9 +16,18 @@ from superfluid.abi import WaitResult, ffi, lib
 from superfluid.abi import codec
 from superfluid.rings.errors import PeerGone, SegmentClosed, StopRequested
 
-# How long a waiter spins before it sleeps. Long enough to catch a peer
-# that answers at once, short against a tick.
-DEFAULT_SPIN_NS = 50_000
+# How long a waiter spins before it sleeps: a futex wake costs tens of µs on
+# a VM, more than a Python peer's turnaround, so the common answer should
+# arrive while spinning.
+DEFAULT_SPIN_NS = 200_000
+
+_reserve_at = lib.sf_queue_reserve_at
+_peek_at = lib.sf_queue_peek_at
+_wait_reserve = lib.sf_queue_wait_reserve
+_wait_peek = lib.sf_queue_wait_peek
+_publish = lib.sf_queue_publish
+_release = lib.sf_queue_release
+_TIMEOUT, _GONE = -int(WaitResult.TIMEOUT), -int(WaitResult.GONE)
 
 
 class QueueTimeout(TimeoutError):
@@ -26,9 +35,13 @@ class QueueTimeout(TimeoutError):
 
 
 class SlotQueue:
-    """One direction of traffic: plans, events, ops or stream records."""
+    """One direction of traffic: plans, events, ops or stream records.
 
-    __slots__ = ("_seg", "_view", "name", "n_slots", "slot_bytes", "_slot_cache")
+    Slots are memoryviews over the mapping, valid until the next
+    publish/release of that side; reserve/peek hand them out, publish/release
+    give them back."""
+
+    __slots__ = ("_seg", "_view", "name", "n_slots", "slot_bytes", "_slots")
 
     def __init__(self, seg, base_ptr, nbytes: int, name: str):
         self._seg = seg
@@ -37,40 +50,34 @@ class SlotQueue:
         if lib.sf_queue_attach(self._view, base_ptr, nbytes) != 0:
             raise ValueError(f"{name} queue header does not fit its region")
         self.n_slots = int(self._view.n_slots)
-        self.slot_bytes = int(self._view.slot_bytes)
-        self._slot_cache: dict[int, memoryview] = {}
+        self.slot_bytes = sb = int(self._view.slot_bytes)
+        base = self._view.slots
+        self._slots = [memoryview(ffi.buffer(base + i * sb, sb)) for i in range(self.n_slots)]
 
     # ---------------------------------------------------------- primitives
 
-    def _buf(self, ptr) -> memoryview:
-        key = int(ffi.cast("uintptr_t", ptr))
-        mv = self._slot_cache.get(key)
-        if mv is None:
-            mv = memoryview(ffi.buffer(ptr, self.slot_bytes)).cast("B")
-            self._slot_cache[key] = mv
-        return mv
-
-    def _live(self) -> None:
-        if self._seg.closed:
-            raise SegmentClosed(f"{self.name} queue: segment is closed")
+    def _closed(self) -> SegmentClosed:
+        return SegmentClosed(f"{self.name} queue: segment is closed")
 
     def try_reserve(self) -> memoryview | None:
         """The next free slot to fill, or None when the queue is full."""
-        self._live()
-        p = lib.sf_queue_try_reserve(self._view)
-        return None if p == ffi.NULL else self._buf(p)
+        if self._seg.closed:
+            raise self._closed()
+        i = _reserve_at(self._view)
+        return None if i < 0 else self._slots[i]
 
     def publish(self) -> None:
-        lib.sf_queue_publish(self._view)
+        _publish(self._view)
 
     def try_peek(self) -> memoryview | None:
         """The oldest unread slot, or None when the queue is empty."""
-        self._live()
-        p = lib.sf_queue_try_peek(self._view)
-        return None if p == ffi.NULL else self._buf(p)
+        if self._seg.closed:
+            raise self._closed()
+        i = _peek_at(self._view)
+        return None if i < 0 else self._slots[i]
 
     def release(self) -> None:
-        lib.sf_queue_release(self._view)
+        _release(self._view)
 
     def __len__(self) -> int:
         return int(lib.sf_queue_len(self._view))
@@ -88,31 +95,44 @@ class SlotQueue:
 
     # --------------------------------------------------------------- waits
 
-    def _wait(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool, spin_ns: int) -> None:
-        self._live()
-        seg_ptr = ffi.NULL if epoch is None else self._seg.header
-        timeout_ns = -1 if timeout is None else max(0, int(timeout * 1e9))
-        r = fn(self._view, seg_ptr, 0 if epoch is None else epoch, int(watch_stop), timeout_ns, spin_ns)
-        if r == WaitResult.READY:
-            return
-        if r == WaitResult.TIMEOUT:
+    def _waited(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool, spin_ns: int) -> memoryview:
+        if self._seg.closed:
+            raise self._closed()
+        if epoch is None:
+            i = fn(self._view, ffi.NULL, 0, int(watch_stop), -1 if timeout is None else int(timeout * 1e9), spin_ns)
+        else:
+            i = fn(self._view, self._seg.header, epoch, int(watch_stop),
+                   -1 if timeout is None else int(timeout * 1e9), spin_ns)
+        if i >= 0:
+            return self._slots[i]
+        if i == _TIMEOUT:
             raise QueueTimeout(f"{self.name} queue: nothing within {timeout}s")
-        if r == WaitResult.GONE:
+        if i == _GONE:
             raise PeerGone(self._seg.epoch, self._seg.worker_state, epoch)
         raise StopRequested(f"{self.name} queue: the daemon asked the worker to stop")
 
-    def wait_readable(self, timeout: float | None = None, *, epoch: int | None = None,
-                      watch_stop: bool = False, spin_ns: int = DEFAULT_SPIN_NS) -> None:
-        """Return once a slot can be read. `epoch`: the worker epoch the
-        caller talks to; PeerGone when it changes or the worker is down
+    def peek(self, timeout: float | None = None, *, epoch: int | None = None, watch_stop: bool = False,
+             spin_ns: int = DEFAULT_SPIN_NS) -> memoryview:
+        """The oldest unread slot, waiting for one. `epoch`: the worker epoch
+        the caller talks to; PeerGone when it changes or the worker is down
         (None: no peer checks). StopRequested when `watch_stop` and the
         daemon asked for a stop. QueueTimeout when `timeout` passes."""
-        self._wait(lib.sf_queue_wait_readable, timeout, epoch, watch_stop, spin_ns)
+        return self._waited(_wait_peek, timeout, epoch, watch_stop, spin_ns)
+
+    def reserve(self, timeout: float | None = None, *, epoch: int | None = None, watch_stop: bool = False,
+                spin_ns: int = DEFAULT_SPIN_NS) -> memoryview:
+        """The next free slot, waiting while the queue is full; as peek."""
+        return self._waited(_wait_reserve, timeout, epoch, watch_stop, spin_ns)
+
+    def wait_readable(self, timeout: float | None = None, *, epoch: int | None = None,
+                      watch_stop: bool = False, spin_ns: int = DEFAULT_SPIN_NS) -> None:
+        """Return once a slot can be read; raises as peek."""
+        self.peek(timeout, epoch=epoch, watch_stop=watch_stop, spin_ns=spin_ns)
 
     def wait_writable(self, timeout: float | None = None, *, epoch: int | None = None,
                       watch_stop: bool = False, spin_ns: int = DEFAULT_SPIN_NS) -> None:
-        """Return once a slot can be reserved; as wait_readable otherwise."""
-        self._wait(lib.sf_queue_wait_writable, timeout, epoch, watch_stop, spin_ns)
+        """Return once a slot can be reserved; raises as peek."""
+        self.reserve(timeout, epoch=epoch, watch_stop=watch_stop, spin_ns=spin_ns)
 
     # ------------------------------------------------------------ messages
 
@@ -120,12 +140,8 @@ class SlotQueue:
              epoch: int | None = None) -> int:
         """Encode a record (TickPlan, TickEvents, ...) straight into the next
         slot and publish it; waits while the queue is full. Returns bytes."""
-        slot = self.try_reserve()
-        if slot is None:
-            self.wait_writable(timeout, epoch=epoch)
-            slot = self.try_reserve()
-        n = codec.encode_into(slot, name, record, kind)
-        self.publish()
+        n = codec.encode_into(self.reserve(timeout, epoch=epoch), name, record, kind)
+        _publish(self._view)
         return n
 
     def send_bytes(self, kind: int, payload: bytes, *, timeout: float | None = None,
@@ -134,34 +150,24 @@ class SlotQueue:
         if codec.MSG_HEADER_BYTES + len(payload) > self.slot_bytes:
             raise codec.EncodeError(
                 f"{self.name} queue: {len(payload)} bytes do not fit a {self.slot_bytes}-byte slot")
-        slot = self.try_reserve()
-        if slot is None:
-            self.wait_writable(timeout, epoch=epoch)
-            slot = self.try_reserve()
-        codec.write_raw(slot, kind, payload)
-        self.publish()
+        codec.write_raw(self.reserve(timeout, epoch=epoch), kind, payload)
+        _publish(self._view)
 
     def recv(self, name: str, *, kind: int | None = None, timeout: float | None = None,
              epoch: int | None = None, watch_stop: bool = False) -> Any:
         """Wait for, decode and release the next message. A message that does
         not decode is released too, and its CodecError raised."""
-        slot = self.try_peek()
-        if slot is None:
-            self.wait_readable(timeout, epoch=epoch, watch_stop=watch_stop)
-            slot = self.try_peek()
+        slot = self.peek(timeout, epoch=epoch, watch_stop=watch_stop)
         try:
             return codec.decode(slot, name, kind)
         finally:
-            self.release()
+            _release(self._view)
 
     def recv_raw(self, *, timeout: float | None = None, epoch: int | None = None,
                  watch_stop: bool = False) -> tuple[int, bytes]:
-        """(kind, a copy of the whole slot message) of the next message."""
-        slot = self.try_peek()
-        if slot is None:
-            self.wait_readable(timeout, epoch=epoch, watch_stop=watch_stop)
-            slot = self.try_peek()
+        """(kind, a copy of the whole message) of the next message."""
+        slot = self.peek(timeout, epoch=epoch, watch_stop=watch_stop)
         try:
             return codec.copy_message(slot)
         finally:
-            self.release()
+            _release(self._view)

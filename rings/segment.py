@@ -185,12 +185,7 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        try:
-            return cls(path, fd, mm, owner=False)
-        except BaseException:
-            mm.close()
-            os.close(fd)
-            raise
+        return cls(path, fd, mm, owner=False)  # on failure it unmaps and closes itself
 
     def _attach(self) -> None:
         h = self.header

@@ -1,0 +1,643 @@
+"""`superfluid bench ring`: the transport's cost, plan in and events out.
+
+A client sends an empty TickPlan to a server process and waits for its
+TickEvents, over the shared-memory queues, a unix socket and a pair of pipes.
+All three carry the same bytes and do the same codec work (the plan encoded
+by PlanBuilder, decoded by engine.plan.decode_plan; events encoded by
+encode_events_into, decoded by decode_events); only the transport differs.
+They run in interleaved blocks so that drift in the machine hits all alike.
+
+Also measured: the same round trips with pre-encoded bytes and no codec
+("raw", the transport alone), the codec alone in one process, and the
+one-way rate of plan messages through the plan queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any, Protocol
+
+import numpy as np
+
+from superfluid.abi import Status, TickStatus, codec, ffi
+from superfluid.abi.records import TickEvents
+from superfluid.client import PlanBuilder
+from superfluid.engine.plan import decode_events, decode_plan, encode_events_into
+from superfluid.rings.queue import DEFAULT_SPIN_NS, QueueTimeout, SlotQueue
+from superfluid.rings.segment import Segment
+
+TRANSPORTS = ("shm", "unix_socket", "pipe")
+
+_U64 = struct.Struct("<Q")
+_LEN = struct.Struct("<I")
+# plan_seq sits at the same place in both messages, so control messages and
+# raw mode can read and patch it without the codec.
+_SEQ_AT = codec.MSG_HEADER_BYTES + ffi.offsetof("TickPlan", "plan_seq")
+assert _SEQ_AT == codec.MSG_HEADER_BYTES + ffi.offsetof("TickEvents", "plan_seq")
+
+# Control messages: empty plans with a plan_seq at the top of the u64 range.
+_CMD_EXIT = 2**64 - 1
+_CMD_CODEC = 2**64 - 2  # mode: decode the plan, encode events (the default)
+_CMD_RAW = 2**64 - 3  # mode: answer with pre-encoded events, no codec
+_CMD_FLOOD = 2**64 - 4  # mode: consume plans, answer nothing
+_CMD_FLOOD_END = 2**64 - 5  # answer once, plan_seq = plans consumed
+_CMD_MIN = _CMD_FLOOD_END
+
+_OK = int(Status.OK)
+_TICK_OK = int(TickStatus.OK)
+_PLAN_BLOB = PlanBuilder(0).encode()
+_EVENTS_BLOB = codec.encode("TickEvents", TickEvents(status=_OK, tick_status=_TICK_OK))
+
+# Longest wait between liveness checks of the other process.
+_POLL_S = 1.0
+_STREAM_BUF = 1 << 16
+_BLOCK_WARMUP = 50
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run: a server died or answered wrongly."""
+
+
+class PeerClosed(BenchError):
+    """The other end of a stream closed it."""
+
+
+# ------------------------------------------------------------- transports
+
+
+class _End(Protocol):
+    """One side of a request/response channel. recv() returns the next
+    message, valid until done(); out() a buffer to encode into, sent by
+    send(n) with n the bytes written."""
+
+    def recv(self) -> memoryview: ...
+
+    def done(self) -> None: ...
+
+    def out(self) -> memoryview: ...
+
+    def send(self, n: int) -> None: ...
+
+
+class _ShmEnd:
+    """Messages are queue slots: encoded and decoded in place."""
+
+    def __init__(self, rx: SlotQueue, tx: SlotQueue, alive: Callable[[], None], spin_ns: int):
+        self._rx = rx
+        self._tx = tx
+        self._alive = alive
+        self._spin_ns = spin_ns
+
+    def recv(self) -> memoryview:
+        while True:
+            try:
+                return self._rx.peek(_POLL_S, spin_ns=self._spin_ns)
+            except QueueTimeout:
+                self._alive()
+
+    def done(self) -> None:
+        self._rx.release()
+
+    def out(self) -> memoryview:
+        while True:
+            try:
+                return self._tx.reserve(_POLL_S, spin_ns=self._spin_ns)
+            except QueueTimeout:
+                self._alive()
+
+    def send(self, n: int) -> None:
+        self._tx.publish()
+
+    def has_room(self) -> bool:
+        return self._tx.try_reserve() is not None
+
+
+class _StreamEnd:
+    """Length-prefixed messages (u32 LE) over a byte stream; one message is
+    in flight at a time, so a read never runs into the next one."""
+
+    def __init__(self, name: str, readinto: Callable[[memoryview], int], write: Callable[[memoryview], None]):
+        self.name = name
+        self._readinto = readinto
+        self._write = write
+        self._in = memoryview(bytearray(_STREAM_BUF))
+        self._out = memoryview(bytearray(_STREAM_BUF))
+        self._body = self._out[_LEN.size:]
+
+    def _fill(self, got: int, need: int) -> int:
+        while got < need:
+            try:
+                k = self._readinto(self._in[got:])
+            except ConnectionResetError:
+                k = 0
+            if not k:
+                raise PeerClosed(f"{self.name}: the other side closed the stream")
+            got += k
+        return got
+
+    def recv(self) -> memoryview:
+        got = self._fill(0, _LEN.size)
+        need = _LEN.size + _LEN.unpack_from(self._in)[0]
+        if need > len(self._in):
+            raise BenchError(f"stream message of {need} bytes exceeds the {len(self._in)}-byte buffer")
+        if self._fill(got, need) != need:
+            raise BenchError("stream carried more than one message")
+        return self._in[_LEN.size:need]
+
+    def done(self) -> None:
+        pass
+
+    def out(self) -> memoryview:
+        return self._body
+
+    def send(self, n: int) -> None:
+        _LEN.pack_into(self._out, 0, n)
+        try:
+            self._write(self._out[:_LEN.size + n])
+        except (BrokenPipeError, ConnectionResetError):
+            raise PeerClosed(f"{self.name}: the other side closed the stream") from None
+
+
+def _socket_end(sock: socket.socket) -> _StreamEnd:
+    return _StreamEnd("unix_socket", sock.recv_into, sock.sendall)
+
+
+def _pipe_end(rfd: int, wfd: int) -> _StreamEnd:
+    def readinto(mv: memoryview) -> int:
+        return os.readv(rfd, [mv])
+
+    def write(mv: memoryview) -> None:
+        while mv:
+            mv = mv[os.write(wfd, mv):]
+
+    return _StreamEnd("pipe", readinto, write)
+
+
+# ------------------------------------------------------------------ server
+
+
+def _reply_raw(end: _End, seq: int) -> None:
+    out = end.out()
+    n = len(_EVENTS_BLOB)
+    out[:n] = _EVENTS_BLOB
+    _U64.pack_into(out, _SEQ_AT, seq)
+    end.send(n)
+
+
+def _events(plan_seq: int) -> TickEvents:
+    return TickEvents(plan_seq=plan_seq, status=_OK, tick_status=_TICK_OK)
+
+
+def _serve(end: _End) -> None:
+    mode = _CMD_CODEC
+    consumed = 0
+    while True:
+        buf = end.recv()
+        seq = _U64.unpack_from(buf, _SEQ_AT)[0]
+        if seq >= _CMD_MIN:
+            end.done()
+            if seq == _CMD_EXIT:
+                return
+            if seq == _CMD_FLOOD_END:
+                _reply_raw(end, consumed)
+                consumed = 0
+                mode = _CMD_CODEC
+            else:
+                _reply_raw(end, seq)
+                mode = seq
+        elif mode == _CMD_CODEC:
+            plan = decode_plan(buf)
+            end.done()
+            end.send(encode_events_into(end.out(), _events(plan.plan_seq)))
+        elif mode == _CMD_RAW:
+            end.done()
+            _reply_raw(end, seq)
+        else:
+            end.done()
+            consumed += 1
+
+
+def _orphan_check() -> Callable[[], None]:
+    """Exit once the benchmark process is gone (a child must not outlive it)."""
+    parent = os.getppid()
+
+    def check() -> None:
+        if os.getppid() != parent:
+            raise SystemExit(0)
+
+    return check
+
+
+def _shm_server(path: str, spin_ns: int) -> None:
+    seg = Segment.open_path(path)
+    try:
+        _serve(_ShmEnd(seg.plan_queue, seg.event_queue, _orphan_check(), spin_ns))
+    finally:
+        seg.close()
+
+
+def _socket_server(fd: int) -> None:
+    with socket.socket(fileno=fd) as sock:
+        try:
+            _serve(_socket_end(sock))
+        except PeerClosed:
+            pass
+
+
+def _pipe_server(rfd: int, wfd: int) -> None:
+    try:
+        _serve(_pipe_end(rfd, wfd))
+    except PeerClosed:
+        pass
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+
+
+def _server_main(argv: list[str]) -> None:
+    """A server process: `shm PATH SPIN_NS`, `unix_socket FD` or `pipe RFD WFD`."""
+    kind, *args = argv
+    if kind == "shm":
+        _shm_server(args[0], int(args[1]))
+    elif kind == "unix_socket":
+        _socket_server(int(args[0]))
+    elif kind == "pipe":
+        _pipe_server(int(args[0]), int(args[1]))
+    else:
+        raise SystemExit(f"unknown transport {kind!r}")
+
+
+# Pins itself before anything else so that threads started by imports
+# (numpy's) inherit the mask.
+_CHILD = """import os, sys
+if sys.argv[1] != "-":
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+from superfluid.bench.ring import _server_main
+_server_main(sys.argv[2:])
+"""
+
+
+def _spawn(kind: str, *args: str | int, cpu: int | None,
+           pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """A fresh interpreter, not multiprocessing: nothing of the caller's
+    state (threads, its __main__) is copied or re-imported."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    argv = [sys.executable, "-c", _CHILD, "-" if cpu is None else str(cpu), kind, *map(str, args)]
+    return subprocess.Popen(argv, pass_fds=pass_fds, stdin=subprocess.DEVNULL, env=env)
+
+
+# ------------------------------------------------------------------ client
+
+
+def _command(end: _End, cmd: int) -> int:
+    """Send a control message; the server's answer (the plan_seq it sends
+    back), none for EXIT. Answering every command keeps the streams to one
+    message in flight."""
+    out = end.out()
+    n = len(_PLAN_BLOB)
+    out[:n] = _PLAN_BLOB
+    _U64.pack_into(out, _SEQ_AT, cmd)
+    end.send(n)
+    if cmd == _CMD_EXIT:
+        return 0
+    got = _U64.unpack_from(end.recv(), _SEQ_AT)[0]
+    end.done()
+    return got
+
+
+def _round_trips(end: _End, n: int, raw: bool, seq: int) -> tuple[list[int], int]:
+    """n round trips from plan_seq seq + 1; (latencies in ns, last seq)."""
+    clock = time.perf_counter_ns
+    lat: list[int] = []
+    append = lat.append
+    if raw:
+        blob = _PLAN_BLOB
+        k = len(blob)
+        for _ in range(n):
+            seq += 1
+            t0 = clock()
+            out = end.out()
+            out[:k] = blob
+            _U64.pack_into(out, _SEQ_AT, seq)
+            end.send(k)
+            got = _U64.unpack_from(end.recv(), _SEQ_AT)[0]
+            end.done()
+            t1 = clock()
+            if got != seq:
+                raise BenchError(f"sent plan_seq {seq}, the answer says {got}")
+            append(t1 - t0)
+    else:
+        for _ in range(n):
+            seq += 1
+            t0 = clock()
+            end.send(PlanBuilder(seq).encode_into(end.out()))
+            ev = decode_events(end.recv())
+            end.done()
+            t1 = clock()
+            if ev.plan_seq != seq or ev.status != _OK:
+                raise BenchError(f"sent plan_seq {seq}, got events for {ev.plan_seq} with status {ev.status}")
+            append(t1 - t0)
+    return lat, seq
+
+
+def _interleaved(ends: dict[str, _End], seqs: dict[str, int], rounds: int, blocks: int,
+                 raw: bool) -> dict[str, list[int]]:
+    """rounds round trips per transport in blocks, the order rotating each
+    block; a few unrecorded trips first wake a server that idled meanwhile."""
+    names = list(ends)
+    lat: dict[str, list[int]] = {name: [] for name in names}
+    for b in range(blocks):
+        n = rounds // blocks + (b < rounds % blocks)
+        r = b % len(names)
+        for name in names[r:] + names[:r]:
+            _, seqs[name] = _round_trips(ends[name], _BLOCK_WARMUP, raw, seqs[name])
+            got, seqs[name] = _round_trips(ends[name], n, raw, seqs[name])
+            lat[name] += got
+    return lat
+
+
+def _flood(seg: Segment, end: _End, seconds: float, max_msgs: int, spin_ns: int,
+           alive: Callable[[], None]) -> tuple[int, float]:
+    """Plans one way through the plan queue for `seconds` (at most max_msgs):
+    a pre-encoded plan copied into each slot, plan_seq patched; the server
+    reads plan_seq and releases. (messages, seconds) until the server has
+    consumed all of them."""
+    _command(end, _CMD_FLOOD)
+    q = seg.plan_queue
+    blob = _PLAN_BLOB
+    k = len(blob)
+    clock = time.perf_counter_ns
+    sent = 0
+    t0 = clock()
+    deadline = t0 + int(seconds * 1e9)
+    while sent < max_msgs:
+        slot = q.try_reserve()
+        if slot is None:
+            try:
+                q.wait_writable(_POLL_S, spin_ns=spin_ns)
+            except QueueTimeout:
+                alive()
+            continue
+        slot[:k] = blob
+        sent += 1
+        _U64.pack_into(slot, _SEQ_AT, sent)
+        q.publish()
+        if not sent & 1023 and clock() >= deadline:
+            break
+    consumed = _command(end, _CMD_FLOOD_END)
+    t1 = clock()
+    if consumed != sent:
+        raise BenchError(f"sent {sent} plans, the server consumed {consumed}")
+    return sent, (t1 - t0) / 1e9
+
+
+def _codec_costs(n: int) -> dict[str, float]:
+    """Median µs of each codec step in this process, no transport."""
+    buf = bytearray(4096)
+    steps: dict[str, Callable[[], Any]] = {
+        "encode_plan": lambda: PlanBuilder(1).encode_into(buf),
+        "decode_plan": lambda: decode_plan(buf),
+        "encode_events": lambda: encode_events_into(buf, _events(1)),
+        "decode_events": lambda: decode_events(buf),
+    }
+    clock = time.perf_counter_ns
+    out: dict[str, float] = {}
+    for name, fn in steps.items():
+        for _ in range(n // 4 + 1):
+            fn()
+        lat = []
+        for _ in range(n):
+            t0 = clock()
+            fn()
+            lat.append(clock() - t0)
+        out[name] = round(float(np.median(lat)) / 1e3, 2)
+    out["total"] = round(sum(out.values()), 2)
+    return out
+
+
+def _stats(ns: list[int]) -> dict[str, float]:
+    p50, p99 = np.percentile(np.asarray(ns, dtype=np.float64) / 1e3, [50, 99])
+    return {"p50": round(float(p50), 2), "p99": round(float(p99), 2)}
+
+
+def _alive(name: str, proc: subprocess.Popen[bytes]) -> Callable[[], None]:
+    def check() -> None:
+        if proc.poll() is not None:
+            raise BenchError(f"the {name} server exited with status {proc.returncode}")
+
+    return check
+
+
+def _reap(ends: dict[str, _End], procs: list[subprocess.Popen[bytes]]) -> None:
+    for end in ends.values():
+        if isinstance(end, _ShmEnd) and not end.has_room():
+            continue  # a stuck server; killed below rather than waited for
+        try:
+            _command(end, _CMD_EXIT)
+        except (BenchError, OSError):  # a dead server; reaped below
+            pass
+    for p in procs:
+        try:
+            p.wait(5.0)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _pick_cpus(pin: bool) -> tuple[int, int] | None:
+    """(client CPU, server CPU): two of the CPUs we may use, or None."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return (allowed[0], allowed[1]) if len(allowed) >= 2 else None
+
+
+def _measure(rounds: int, warmup: int, blocks: int, seconds: float, max_msgs: int, spin_ns: int,
+             server_cpu: int | None) -> tuple[dict[str, list[int]], dict[str, list[int]], int, float]:
+    """(codec latencies, raw latencies, plans flooded, seconds of the flood)."""
+    ends: dict[str, _End] = {}
+    procs: list[subprocess.Popen[bytes]] = []
+    with ExitStack() as stack:
+        seg = Segment.create(f"bench-{os.getpid()}-{secrets.token_hex(3)}")
+        # LIFO: the servers are reaped first, then our fds closed (not before:
+        # a closed fd number could be reused), then the segment unmapped and
+        # unlinked.
+        stack.callback(seg.unlink)
+        stack.callback(seg.close)
+        sock, sock_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stack.enter_context(sock)
+        stack.enter_context(sock_theirs)
+        # File objects, so that closing twice is harmless (a raw fd number
+        # closed twice could by then name something else).
+        fds = (*os.pipe(), *os.pipe())
+        c2s_r, c2s_w, s2c_r, s2c_w = (stack.enter_context(os.fdopen(fd, mode, buffering=0))
+                                      for fd, mode in zip(fds, ("rb", "wb") * 2, strict=True))
+        stack.callback(_reap, ends, procs)
+
+        procs.append(_spawn("shm", seg.path, spin_ns, cpu=server_cpu))
+        shm_alive = _alive("shm", procs[-1])
+        ends["shm"] = _ShmEnd(seg.event_queue, seg.plan_queue, shm_alive, spin_ns)
+        fd = sock_theirs.fileno()
+        procs.append(_spawn("unix_socket", fd, cpu=server_cpu, pass_fds=(fd,)))
+        theirs = (c2s_r.fileno(), s2c_w.fileno())
+        procs.append(_spawn("pipe", *theirs, cpu=server_cpu, pass_fds=theirs))
+        # The children hold their ends now; ours must go so that a dead child
+        # shows as EOF.
+        sock_theirs.close()
+        c2s_r.close()
+        s2c_w.close()
+        ends["unix_socket"] = _socket_end(sock)
+        ends["pipe"] = _pipe_end(s2c_r.fileno(), c2s_w.fileno())
+
+        seqs = dict.fromkeys(ends, 0)
+        for name, end in ends.items():
+            _, seqs[name] = _round_trips(end, warmup, False, seqs[name])
+        lat = _interleaved(ends, seqs, rounds, blocks, raw=False)
+
+        for end in ends.values():
+            _command(end, _CMD_RAW)
+        raw_lat = _interleaved(ends, seqs, rounds, blocks, raw=True)
+        for end in ends.values():
+            _command(end, _CMD_CODEC)
+
+        n_msgs, flood_s = _flood(seg, ends["shm"], seconds, max_msgs, spin_ns, shm_alive)
+    return lat, raw_lat, n_msgs, flood_s
+
+
+def run(rounds: int = 10_000, *, warmup: int = 1_000, blocks: int = 10, seconds: float = 1.0,
+        max_msgs: int = 10_000_000, spin_ns: int = DEFAULT_SPIN_NS, pin: bool = True,
+        codec_rounds: int = 2_000) -> dict[str, Any]:
+    """Run the benchmark; the result as a JSON-able dict. `pin`: the client
+    (this thread) on one CPU and the servers on another, when there are two;
+    left to the scheduler, a spinning waiter may share a CPU with its peer
+    and hold it off until the spin runs out."""
+    if rounds < 1 or blocks < 1 or warmup < 0 or seconds <= 0 or max_msgs < 1:
+        raise ValueError("rounds, blocks and max_msgs must be >= 1, warmup >= 0, seconds > 0")
+    blocks = min(blocks, rounds)
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    cpus = _pick_cpus(pin)
+    mask = os.sched_getaffinity(0) if cpus else None
+    try:
+        if cpus:
+            os.sched_setaffinity(0, {cpus[0]})
+        lat, raw_lat, n_msgs, flood_s = _measure(rounds, warmup, blocks, seconds, max_msgs, spin_ns,
+                                                 cpus[1] if cpus else None)
+        codec_us = _codec_costs(codec_rounds)
+    finally:
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
+    stats = {name: _stats(v) for name, v in lat.items()}
+    return {
+        "shm_rtt_us": stats["shm"],
+        "unix_socket_rtt_us": stats["unix_socket"],
+        "pipe_rtt_us": stats["pipe"],
+        "shm_msgs_per_s": round(n_msgs / flood_s, 1),
+        "ratio_shm_to_unix_p50": round(stats["shm"]["p50"] / stats["unix_socket"]["p50"], 3),
+        "ratio_shm_to_pipe_p50": round(stats["shm"]["p50"] / stats["pipe"]["p50"], 3),
+        # The same round trips with pre-encoded bytes: the transport alone.
+        "raw_rtt_us": {name: _stats(v) for name, v in raw_lat.items()},
+        # The codec steps of one round trip, in one process.
+        "codec_us": codec_us,
+        "n_round_trips": rounds,
+        "warmup": warmup,
+        "blocks": blocks,
+        "spin_us": spin_ns / 1e3,
+        "pinned_cpus": {"client": cpus[0], "servers": cpus[1]} if cpus else None,
+        "shm_msgs": n_msgs,
+        "shm_msgs_seconds": round(flood_s, 3),
+        # Other work on the machine: with spinning waiters it shows in shm first.
+        "loadavg_1m_before": round(load, 2),
+        "python": platform.python_version(),
+        "implementation": sys.implementation.name,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def _table(r: dict[str, Any]) -> str:
+    c = r["codec_us"]
+    cpus = r["pinned_cpus"]
+    pinned = f"client on CPU {cpus['client']}, servers on CPU {cpus['servers']}" if cpus else "not pinned"
+    lines = [f"{'transport':<12} {'p50 µs':>9} {'p99 µs':>9} {'raw p50':>9} {'raw p99':>9}"]
+    for name in TRANSPORTS:
+        s, raw = r[f"{name}_rtt_us"], r["raw_rtt_us"][name]
+        lines.append(f"{name:<12} {s['p50']:>9.2f} {s['p99']:>9.2f} {raw['p50']:>9.2f} {raw['p99']:>9.2f}")
+    lines.append(f"p50 ratio shm / unix socket: {r['ratio_shm_to_unix_p50']:.3f},"
+                 f" shm / pipe: {r['ratio_shm_to_pipe_p50']:.3f}")
+    lines.append(f"shm plan queue: {r['shm_msgs_per_s']:,.0f} msgs/s"
+                 f" ({r['shm_msgs']:,} in {r['shm_msgs_seconds']} s)")
+    lines.append(f"codec per round trip (one process): {c['total']:.2f} µs"
+                 f" = encode plan {c['encode_plan']:.2f}"
+                 f" + decode plan {c['decode_plan']:.2f} + encode events {c['encode_events']:.2f}"
+                 f" + decode events {c['decode_events']:.2f}")
+    lines.append(f"{r['n_round_trips']} round trips per transport in {r['blocks']} interleaved blocks,"
+                 f" spin {r['spin_us']:g} µs, {pinned}; Python {r['python']}, {r['cpu_count']} CPUs,"
+                 f" load {r['loadavg_1m_before']}, {r['wall_s']} s")
+    return "\n".join(lines)
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s}: must be >= 1")
+    return v
+
+
+def _nonnegative_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s}: must be >= 0")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{s}: must be > 0")
+    return v
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        result = run(args.rounds, warmup=args.warmup, blocks=args.blocks, seconds=args.seconds,
+                     spin_ns=int(args.spin_us * 1e3), pin=args.pin)
+    except BenchError as e:
+        print(f"superfluid bench ring: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else _table(result))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "ring", help="plan/events round trip: shared-memory queues vs unix socket vs pipe",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.add_argument("--rounds", type=_positive_int, default=10_000,
+                   help="round trips per transport (default 10000)")
+    p.add_argument("--warmup", type=_nonnegative_int, default=1_000,
+                   help="unrecorded round trips first (default 1000)")
+    p.add_argument("--blocks", type=_positive_int, default=10, help="interleaved blocks (default 10)")
+    p.add_argument("--seconds", type=_positive_float, default=1.0,
+                   help="length of the plan-queue throughput run (default 1.0)")
+    p.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_NS / 1e3,
+                   help=f"queue waits spin this long before the futex (default {DEFAULT_SPIN_NS / 1e3:g})")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave CPU placement to the scheduler (default: client and servers on two CPUs)")
+    p.set_defaults(func=_main)
