@@ -11,7 +11,8 @@ TORCH := torch==2.13.0
 $(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/_build.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test,triton]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,0 +1,217 @@
+"""The runtime under the executor (SPEC §8): what it can do and how it fails.
+
+The executor never touches tensors. It drives a runtime through these
+primitives over opaque sequence ids; rows come back as numpy float32 arrays.
+A runtime owns its cells: the executor only asks.
+
+Errors are typed so the executor can tell a lane's failure from the worker's:
+CapacityError and LaneFault fault the lanes of the step; UnknownSequence,
+OutOfBounds and Unsupported are the caller's mistakes (the executor treats
+them as INTERNAL lane faults); FatalError means the runtime's state is
+unknown and the worker must exit.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from superfluid.abi import RuntimeFlag
+from superfluid.abi.records import RuntimeDesc
+
+
+# ------------------------------------------------------------------ errors
+
+
+class RuntimeFailure(Exception):
+    """Base of every runtime error."""
+
+
+class CapacityError(RuntimeFailure):
+    """Not enough free cells or sequence slots; nothing was changed."""
+
+
+class LaneFault(RuntimeFailure):
+    """A failure that belongs to the lanes of the step (`code`: SF_FAULT_*)."""
+
+    def __init__(self, code: int, message: str = ""):
+        super().__init__(message or f"lane fault {code}")
+        self.code = code
+
+
+class FatalError(RuntimeFailure):
+    """The runtime's state is unknown (device lost, a step half-applied)."""
+
+
+class Unsupported(RuntimeFailure):
+    """This runtime cannot do that (e.g. export on a runtime without it)."""
+
+
+class UnknownSequence(RuntimeFailure):
+    """No live sequence has that id."""
+
+
+class OutOfBounds(RuntimeFailure):
+    """A length, count or token outside what the sequence or model allows."""
+
+
+# ------------------------------------------------------------ descriptions
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeDescription:
+    """SPEC §8: what a runtime can do, stated once."""
+
+    runtime_id: str
+    vocab_size: int
+    max_seq_len: int
+    max_batch: int
+    max_seqs: int = 0  # 0 = unbounded
+    page: int = 16
+    truncate_partial: bool = True
+    copy_shares_cells: bool = False
+    takeover_preferred: bool = False
+    prefill_step_tokens: int = 0  # 0 = one step
+    engine_sampling: bool = False
+    engine_draws: bool = False
+    verify_batches: bool = False
+    exact_only: bool = False
+
+    _FLAGS = (
+        ("truncate_partial", RuntimeFlag.TRUNCATE_PARTIAL),
+        ("copy_shares_cells", RuntimeFlag.COPY_SHARES_CELLS),
+        ("takeover_preferred", RuntimeFlag.TAKEOVER_PREFERRED),
+        ("engine_sampling", RuntimeFlag.ENGINE_SAMPLING),
+        ("engine_draws", RuntimeFlag.ENGINE_DRAWS),
+        ("verify_batches", RuntimeFlag.VERIFY_BATCHES),
+        ("exact_only", RuntimeFlag.EXACT_ONLY),
+    )
+
+    def to_record(self) -> RuntimeDesc:
+        flags = 0
+        for name, bit in self._FLAGS:
+            if getattr(self, name):
+                flags |= int(bit)
+        return RuntimeDesc(self.runtime_id.encode()[:32], self.vocab_size, self.max_batch, self.max_seq_len,
+                           self.max_seqs, self.page, self.prefill_step_tokens, flags)
+
+    @classmethod
+    def from_record(cls, r: RuntimeDesc) -> "RuntimeDescription":
+        rid = r.runtime_id.decode() if isinstance(r.runtime_id, bytes) else r.runtime_id
+        return cls(runtime_id=rid, vocab_size=r.vocab_size, max_seq_len=r.max_seq_len, max_batch=r.max_batch,
+                   max_seqs=r.max_seqs, page=r.page, prefill_step_tokens=r.prefill_step_tokens,
+                   **{name: bool(r.flags & bit) for name, bit in cls._FLAGS})
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """Tokens to append to a sequence in one step; `wants_row`: return the
+    logits row of the last token."""
+
+    seq: int
+    tokens: Sequence[int]
+    wants_row: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSpec:
+    """On-device sampling of a feed's row (step_sampled). temperature <= 0 is
+    greedy; the draw is a pure function of (row, these params, rng_position)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    rng_position: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemCounters:
+    cells_total: int  # 0 = no cell limit
+    cells_used: int
+    allocated_bytes: int
+    seqs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    size: int
+    eos: frozenset[int]
+    specials: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+# ------------------------------------------------------------ the interface
+
+
+class Runtime(abc.ABC):
+    """The primitives of SPEC §8. Sequence ids are opaque ints > 0."""
+
+    desc: RuntimeDescription
+
+    @abc.abstractmethod
+    def seq_create(self) -> int:
+        """A new empty sequence. CapacityError when max_seqs are live."""
+
+    @abc.abstractmethod
+    def seq_copy(self, src: int, dst: int, n: int) -> None:
+        """Make `dst` hold the first n cells of `src` (what dst held is
+        dropped). Shares full blocks where `copy_shares_cells`."""
+
+    @abc.abstractmethod
+    def seq_truncate(self, seq: int, n: int) -> None:
+        """Keep the first n cells (n <= len; OutOfBounds otherwise)."""
+
+    @abc.abstractmethod
+    def seq_free(self, seq: int) -> None:
+        """Drop a sequence and release its cells (UnknownSequence if none)."""
+
+    @abc.abstractmethod
+    def seq_len(self, seq: int) -> int:
+        """Cells the sequence holds."""
+
+    @abc.abstractmethod
+    def step(self, feeds: Sequence[Feed]) -> list[np.ndarray]:
+        """Append every feed's tokens in one forward pass; the logits row
+        (float32, vocab_size) of the last token of each feed that wants one,
+        in feed order. All or nothing: on an error no sequence changed."""
+
+    def step_rows(self, feeds: Sequence[Feed]) -> list[np.ndarray] | None:
+        """As step, but a row for every fed token: one (n_tokens, vocab)
+        array per feed. None where the runtime cannot."""
+        return None
+
+    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec]) -> list[int] | None:
+        """As step (every feed wants a row), but the row of each feed is
+        sampled on the device with its spec; the tokens, in feed order.
+        None where the runtime does not sample (the caller samples rows)."""
+        return None
+
+    @abc.abstractmethod
+    def seq_export(self, seq: int) -> bytes:
+        """The sequence's cells as bytes (Unsupported where it cannot)."""
+
+    @abc.abstractmethod
+    def seq_import(self, seq: int, data: bytes) -> int:
+        """Load exported cells into an empty sequence; the cells loaded."""
+
+    @abc.abstractmethod
+    def mem_counters(self) -> MemCounters:
+        ...
+
+    @abc.abstractmethod
+    def cells_released(self, seqs: Sequence[int]) -> int:
+        """Cells that freeing all of `seqs` together would release (shared
+        cells count only when every holder is among them)."""
+
+    @abc.abstractmethod
+    def vocabulary(self) -> Vocabulary:
+        ...
+
+    def is_eos(self, token: int) -> bool:
+        return token in self.vocabulary().eos
+
+    def close(self) -> None:
+        """Release what the runtime holds (memory, threads)."""
