@@ -1,0 +1,30 @@
+"""The engine: the runtime interface, model runtimes and the plan codec."""
+
+from superfluid.engine.runtime import (
+    CapacityError,
+    FatalError,
+    Feed,
+    LaneFault,
+    MemCounters,
+    OutOfBounds,
+    Runtime,
+    RuntimeDescription,
+    RuntimeFailure,
+    SampleSpec,
+    Unsupported,
+    UnknownSequence,
+    Vocabulary,
+)
+
+
+def load(path, backend: str = "torch", **options):
+    """Load a checkpoint into a TransformerRuntime (see engine/load.py)."""
+    from superfluid.engine.load import load as _load
+
+    return _load(path, backend, **options)
+
+
+__all__ = [
+    "CapacityError", "FatalError", "Feed", "LaneFault", "MemCounters", "OutOfBounds", "Runtime",
+    "RuntimeDescription", "RuntimeFailure", "SampleSpec", "Unsupported", "UnknownSequence", "Vocabulary", "load",
+]

@@ -1,0 +1,123 @@
+"""The Llama-family forward pass over a ragged step and the paged KV pool.
+
+All tokens of all feeds of a step go through the linear layers as one batch;
+attention takes each token over its own sequence's cells (kernels/attention.py).
+The ops come from a backend (kernels/backend.py): torch, or Triton kernels
+for the elementwise and attention parts. Projections are fused (q/k/v into
+one matrix, gate/up into another) so a layer is four GEMMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from superfluid.engine.config import ModelConfig, rope_cos_sin
+from superfluid.kernels.attention import AttnBatch
+from superfluid.kernels.backend import Backend
+
+
+@dataclasses.dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over head_dim of each head
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate first
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class Model:
+    """Weights laid out for the forward pass, and the forward pass."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 max_seq_len: int | None = None):
+        self.cfg = cfg
+        self.backend = backend
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w.get(name)
+
+        def cat(*names: str) -> torch.Tensor | None:
+            parts = [w.get(n) for n in names]
+            if all(p is None for p in parts):
+                return None
+            return torch.cat([p for p in parts]).contiguous()
+
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed)
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append(Layer(
+                attn_norm=w[p + "input_layernorm.weight"],
+                qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+                o=w[a + "o_proj.weight"], o_bias=opt(a + "o_proj.bias"),
+                mlp_norm=w[p + "post_attention_layernorm.weight"],
+                gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias"),
+                down=w[m + "down_proj.weight"], down_bias=opt(m + "down_proj.bias"),
+            ))
+        cos, sin = rope_cos_sin(cfg, self.max_seq_len)
+        self.cos = cos.to(self.device)
+        self.sin = sin.to(self.device)
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def weight_bytes(self) -> int:
+        seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
+        for layer in self.layers:
+            for t in dataclasses.astuple(layer):
+                if t is not None:
+                    seen[id(t)] = t
+        return sum(t.numel() * t.element_size() for t in seen.values())
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        """tokens [n] of the step; the pool's K/V [layers, blocks, page,
+        kv_heads, head_dim]; `rows`: token indices whose logits are wanted
+        (None: every token). Returns logits [len(rows), vocab] (float32)."""
+        cfg, be = self.cfg, self.backend
+        n = tokens.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_end, k_end = nh * hd, (nh + nkv) * hd
+        pos = batch.positions
+        x = self.embed[tokens]
+        for li, layer in enumerate(self.layers):
+            h = be.rmsnorm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = be.linear(h, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_end].reshape(n, nh, hd)
+            k = qkv[:, q_end:k_end].reshape(n, nkv, hd)
+            v = qkv[:, k_end:].reshape(n, nkv, hd)
+            if layer.q_norm is not None:
+                q = be.rmsnorm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = be.rmsnorm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = be.rope(q, self.cos, self.sin, pos)
+            k = be.rope(k, self.cos, self.sin, pos)
+            be.kv_write(k_cache[li], v_cache[li], batch.cells, k, v)
+            a = be.attention(q, k_cache[li], v_cache[li], batch, self.scale)
+            x = x + be.linear(a.reshape(n, q_end), layer.o, layer.o_bias)
+            h = be.rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            x = x + be.linear(be.swiglu(be.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
+                              layer.down_bias)
+        if rows is not None:
+            x = x[rows]
+        x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
+        return be.linear(x, self.lm_head).float()

@@ -1,0 +1,267 @@
+"""The paged-KV transformer runtime (SPEC §8) over Model and KVPool.
+
+Sequences are block tables in the pool. A step is checked whole before
+anything moves (known sequences, each once, tokens in the vocabulary, room
+under max_seq_len, free blocks for every feed), then blocks are taken, the
+forward pass runs, and lengths advance. If the forward pass itself fails the
+block tables and lengths are put back, so a failed step changed nothing the
+executor can see.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from superfluid.engine.config import ModelConfig
+from superfluid.engine.kv import KVPool, SeqState
+from superfluid.engine.model import Model
+from superfluid.engine.runtime import (
+    CapacityError,
+    FatalError,
+    Feed,
+    LaneFault,
+    MemCounters,
+    OutOfBounds,
+    Runtime,
+    RuntimeDescription,
+    SampleSpec,
+    UnknownSequence,
+    Vocabulary,
+)
+from superfluid.kernels.attention import build_batch
+
+_EXPORT_MAGIC = b"SFKV"
+_EXPORT_HEAD = struct.Struct("<4sIIIIIII")  # magic, version, cells, layers, kv_heads, head_dim, dtype, page
+
+
+class TransformerRuntime(Runtime):
+    """A Llama-family model serving ragged steps over a paged KV pool."""
+
+    def __init__(self, model: Model, *, kv_cells: int = 16384, page: int = 16, max_batch: int = 64,
+                 max_seqs: int = 0, prefill_step_tokens: int = 512, specials: dict[str, int] | None = None,
+                 runtime_id: str | None = None):
+        cfg: ModelConfig = model.cfg
+        self.model = model
+        self.cfg = cfg
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-kv_cells // page) + 1, page,
+                           dtype=model.dtype, device=model.device)
+        self.seqs: dict[int, SeqState] = {}
+        self._next_id = 1
+        self.desc = RuntimeDescription(
+            runtime_id=runtime_id or f"{cfg.arch}-{model.backend.name}",
+            vocab_size=cfg.vocab_size, max_seq_len=model.max_seq_len, max_batch=max_batch, max_seqs=max_seqs,
+            page=page, truncate_partial=True, copy_shares_cells=True, takeover_preferred=False,
+            prefill_step_tokens=prefill_step_tokens, engine_sampling=True, engine_draws=True,
+            verify_batches=True, exact_only=False)
+        self._vocab = Vocabulary(cfg.vocab_size, frozenset(cfg.eos_token_ids), dict(specials or {}))
+
+    # --------------------------------------------------------- sequences
+
+    def _seq(self, seq: int) -> SeqState:
+        s = self.seqs.get(seq)
+        if s is None:
+            raise UnknownSequence(f"no sequence {seq}")
+        return s
+
+    def seq_create(self) -> int:
+        if self.desc.max_seqs and len(self.seqs) >= self.desc.max_seqs:
+            raise CapacityError(f"{len(self.seqs)} sequences live, max_seqs is {self.desc.max_seqs}")
+        sid = self._next_id
+        self._next_id += 1
+        self.seqs[sid] = SeqState(blocks=[])
+        return sid
+
+    def seq_copy(self, src: int, dst: int, n: int) -> None:
+        s, d = self._seq(src), self._seq(dst)
+        if not 0 <= n <= s.length:
+            raise OutOfBounds(f"copy of {n} cells from a sequence of {s.length}")
+        if src == dst:
+            self.seq_truncate(src, n)
+            return
+        partial = 1 if n % self.pool.page else 0
+        # dst's own blocks come back first, so a full pool can still copy.
+        if partial > self.pool.n_free + self.pool.released_by([d]):
+            raise CapacityError("no free block for the copied partial block")
+        self.pool.release(d)
+        self.seqs[dst] = self.pool.copy_prefix(s, n)
+
+    def seq_truncate(self, seq: int, n: int) -> None:
+        s = self._seq(seq)
+        if not 0 <= n <= s.length:
+            raise OutOfBounds(f"truncate to {n} cells of a sequence of {s.length}")
+        self.pool.truncate(s, n)
+
+    def seq_free(self, seq: int) -> None:
+        s = self.seqs.pop(seq, None)
+        if s is None:
+            raise UnknownSequence(f"no sequence {seq}")
+        self.pool.release(s)
+
+    def seq_len(self, seq: int) -> int:
+        return self._seq(seq).length
+
+    # -------------------------------------------------------------- steps
+
+    def _check(self, feeds: Sequence[Feed]) -> list[SeqState]:
+        if len(feeds) > self.desc.max_batch:
+            raise OutOfBounds(f"{len(feeds)} feeds in one step, max_batch is {self.desc.max_batch}")
+        states, seen, need = [], set(), 0
+        vocab = self.cfg.vocab_size
+        for f in feeds:
+            s = self._seq(f.seq)
+            if f.seq in seen:
+                raise OutOfBounds(f"sequence {f.seq} fed twice in one step")
+            seen.add(f.seq)
+            if not f.tokens:
+                raise OutOfBounds(f"an empty feed for sequence {f.seq}")
+            if min(f.tokens) < 0 or max(f.tokens) >= vocab:
+                raise OutOfBounds(f"a token of sequence {f.seq} is outside the vocabulary of {vocab}")
+            if s.length + len(f.tokens) > self.desc.max_seq_len:
+                raise OutOfBounds(f"sequence {f.seq} would hold {s.length + len(f.tokens)} cells, "
+                                  f"max_seq_len is {self.desc.max_seq_len}")
+            need += self.pool.grow_cost(s, len(f.tokens))
+            states.append(s)
+        if need > self.pool.n_free:
+            raise CapacityError(f"the step needs {need} KV blocks, {self.pool.n_free} are free")
+        return states
+
+    def _forward(self, feeds: Sequence[Feed], all_rows: bool) -> torch.Tensor:
+        """Logits of the wanted rows (every token's with all_rows), feed order."""
+        states = self._check(feeds)
+        saved = [(list(s.blocks), s.length) for s in states]
+        dev = self.model.device
+        try:
+            for s, f in zip(states, feeds):
+                self.pool.grow(s, len(f.tokens))
+            layout = [(s.blocks, s.length, len(f.tokens)) for s, f in zip(states, feeds)]
+            batch = build_batch(layout, self.pool.page, self.cfg.num_heads // self.cfg.num_kv_heads, device=dev)
+            tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=dev)
+            row_index = None
+            if not all_rows:
+                ends = np.cumsum([len(f.tokens) for f in feeds]) - 1
+                row_index = torch.tensor([int(e) for e, f in zip(ends, feeds) if f.wants_row], dtype=torch.long,
+                                         device=dev)
+            logits = self.model.forward(tokens, batch, self.pool.k, self.pool.v, row_index)
+        except torch.cuda.OutOfMemoryError as e:
+            self._restore(states, saved)
+            raise CapacityError(f"device memory: {e}") from e
+        except (CapacityError, LaneFault):
+            self._restore(states, saved)
+            raise
+        except Exception as e:
+            self._restore(states, saved)
+            raise FatalError(f"forward pass failed: {e!r}") from e
+        for s, f in zip(states, feeds):
+            s.length += len(f.tokens)
+        return logits
+
+    def _restore(self, states: list[SeqState], saved: list[tuple[list[int], int]]) -> None:
+        for s, (blocks, length) in zip(states, saved):
+            fresh = [b for b in s.blocks if b not in blocks]
+            self.pool.decref(fresh)
+            # A copy-on-write moved a shared block: take the original back.
+            for i, b in enumerate(blocks):
+                if i < len(s.blocks) and s.blocks[i] != b:
+                    self.pool.incref([b])
+            s.blocks, s.length = blocks, length
+
+    def step(self, feeds: Sequence[Feed]) -> list[np.ndarray]:
+        if not feeds:
+            return []
+        out = self._forward(feeds, all_rows=False)
+        out = out.cpu().numpy()
+        return [out[i] for i in range(out.shape[0])]
+
+    def step_rows(self, feeds: Sequence[Feed]) -> list[np.ndarray]:
+        if not feeds:
+            return []
+        out = self._forward(feeds, all_rows=True)
+        out = out.cpu().numpy()
+        res, at = [], 0
+        for f in feeds:
+            res.append(out[at:at + len(f.tokens)])
+            at += len(f.tokens)
+        return res
+
+    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec]) -> list[int]:
+        if len(specs) != len(feeds):
+            raise OutOfBounds(f"{len(specs)} sample specs for {len(feeds)} feeds")
+        if not feeds:
+            return []
+        feeds = [f if f.wants_row else Feed(f.seq, f.tokens, True) for f in feeds]
+        logits = self._forward(feeds, all_rows=False)
+        return self.model.backend.sample(logits, specs).tolist()
+
+    # ---------------------------------------------------- export / import
+
+    def seq_export(self, seq: int) -> bytes:
+        s = self._seq(seq)
+        k, v = self.pool.read_cells(s)
+        dt = 0 if self.pool.k.dtype == torch.float32 else (1 if self.pool.k.dtype == torch.bfloat16 else 2)
+        head = _EXPORT_HEAD.pack(_EXPORT_MAGIC, 1, s.length, self.cfg.num_layers, self.cfg.num_kv_heads,
+                                 self.cfg.head_dim, dt, self.pool.page)
+        return head + _tensor_bytes(k) + _tensor_bytes(v)
+
+    def seq_import(self, seq: int, data: bytes) -> int:
+        s = self._seq(seq)
+        if s.length:
+            raise OutOfBounds(f"import into sequence {seq}, which holds {s.length} cells")
+        if len(data) < _EXPORT_HEAD.size:
+            raise OutOfBounds("an export blob shorter than its header")
+        magic, version, n, layers, kvh, hd, dt, _page = _EXPORT_HEAD.unpack_from(data)
+        want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if magic != _EXPORT_MAGIC or version != 1 or (layers, kvh, hd) != want:
+            raise OutOfBounds(f"an export blob of another model or format ({magic!r} v{version}, "
+                              f"{layers}x{kvh}x{hd}, expected {want[0]}x{want[1]}x{want[2]})")
+        dtype = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}.get(dt)
+        if dtype is None:
+            raise OutOfBounds(f"an export blob of unknown dtype {dt}")
+        if n > self.desc.max_seq_len:
+            raise OutOfBounds(f"an export of {n} cells, max_seq_len is {self.desc.max_seq_len}")
+        each = n * layers * kvh * hd * torch.tensor([], dtype=dtype).element_size()
+        if len(data) != _EXPORT_HEAD.size + 2 * each:
+            raise OutOfBounds(f"an export blob of {len(data)} bytes, expected {_EXPORT_HEAD.size + 2 * each}")
+        need = self.pool.blocks_for(n)
+        if need > self.pool.n_free:
+            raise CapacityError(f"the import needs {need} KV blocks, {self.pool.n_free} are free")
+        shape = (layers, n, kvh, hd)
+        k = _bytes_tensor(data[_EXPORT_HEAD.size:_EXPORT_HEAD.size + each], dtype, shape)
+        v = _bytes_tensor(data[_EXPORT_HEAD.size + each:], dtype, shape)
+        s.blocks = self.pool.alloc(need)
+        s.length = n
+        self.pool.write_cells(s, 0, k, v)
+        return n
+
+    # ----------------------------------------------------------- counters
+
+    def mem_counters(self) -> MemCounters:
+        p = self.pool
+        return MemCounters(cells_total=(p.n_blocks - 1) * p.page, cells_used=p.n_used * p.page,
+                           allocated_bytes=p.allocated_bytes + self.model.weight_bytes, seqs=len(self.seqs))
+
+    def cells_released(self, seqs: Sequence[int]) -> int:
+        states = [self._seq(s) for s in dict.fromkeys(seqs)]
+        return self.pool.released_by(states) * self.pool.page
+
+    def vocabulary(self) -> Vocabulary:
+        return self._vocab
+
+    def is_eos(self, token: int) -> bool:
+        return token in self._vocab.eos
+
+    def close(self) -> None:
+        self.seqs.clear()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.float32 else t.numpy().tobytes()
+
+
+def _bytes_tensor(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(shape)
+

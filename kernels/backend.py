@@ -1,0 +1,96 @@
+"""The ops a forward pass is made of, by backend.
+
+`torch` is pure torch (CPU or GPU; the CPU serving path). `triton` swaps in
+the Triton kernels of this folder for the elementwise ops, the KV write and
+attention, keeping torch GEMMs. `invariant=False` is only for measuring what
+batch invariance costs: plain GEMMs and a plain masked softmax attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from superfluid.kernels import attention as _attn
+from superfluid.kernels.kv_write import kv_write_torch
+from superfluid.kernels.linear import linear as _linear
+from superfluid.kernels.rmsnorm import rmsnorm_torch
+from superfluid.kernels.rope import rope_torch
+from superfluid.kernels.swiglu import swiglu_torch
+
+BACKENDS = ("torch", "triton")
+
+
+class Backend:
+    name = "torch"
+
+    def __init__(self, invariant: bool = True):
+        self.invariant = invariant
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return _linear(x, w, b, invariant=self.invariant)
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return rmsnorm_torch(x, w, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rope_torch(x, cos, sin, positions)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu_torch(gate_up)
+
+    def kv_write(self, k_cache, v_cache, cells, k, v) -> None:
+        kv_write_torch(k_cache, v_cache, cells, k, v)
+
+    def sample(self, logits: torch.Tensor, specs) -> torch.Tensor:
+        """One token per row of logits [b, vocab], drawn per SampleSpec."""
+        from superfluid.kernels.sampling import sample_torch
+
+        return sample_torch(logits, *_spec_columns(specs))
+
+    def attention(self, q, k_cache, v_cache, batch: _attn.AttnBatch, scale: float) -> torch.Tensor:
+        if self.invariant:
+            return _attn.attention_torch(q, k_cache, v_cache, batch, scale)
+        return _attn.attention_plain(q, k_cache, v_cache, batch, scale)
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def __init__(self, invariant: bool = True):
+        super().__init__(invariant)
+        from superfluid.kernels import triton_ops  # noqa: F401  (fails clearly without triton)
+
+        self._ops = triton_ops
+
+    def rmsnorm(self, x, w, eps):
+        return self._ops.rmsnorm(x, w, eps)
+
+    def rope(self, x, cos, sin, positions):
+        return self._ops.rope(x, cos, sin, positions)
+
+    def swiglu(self, gate_up):
+        return self._ops.swiglu(gate_up)
+
+    def kv_write(self, k_cache, v_cache, cells, k, v) -> None:
+        self._ops.kv_write(k_cache, v_cache, cells, k, v)
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        return self._ops.attention(q, k_cache, v_cache, batch, scale)
+
+    def sample(self, logits, specs):
+        from superfluid.kernels.sampling import sample_triton
+
+        return sample_triton(logits, *_spec_columns(specs))
+
+
+def _spec_columns(specs) -> tuple[list, list, list, list, list]:
+    return ([s.temperature for s in specs], [s.top_k for s in specs], [s.top_p for s in specs],
+            [s.min_p for s in specs], [s.rng_position for s in specs])
+
+
+def get_backend(name: str, invariant: bool = True) -> Backend:
+    if name == "torch":
+        return Backend(invariant)
+    if name == "triton":
+        return TritonBackend(invariant)
+    raise ValueError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}")

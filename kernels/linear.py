@@ -1,0 +1,33 @@
+"""Batch-invariant linear layers.
+
+A row of `x @ W.T` must not depend on the other rows of x. Plain CPU GEMM
+breaks that: the BLAS picks kernels and tail handling by the number of rows,
+so a row computed alone (a GEMV) or in a ragged tail differs in its last
+bits from the same row in a batch. Padding the rows to a multiple of
+ROW_TILE makes every row go through the same full-tile micro-kernel, whatever
+else shares the step (checked bitwise in tests/kernels/test_invariance.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_TILE = 8
+
+
+def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    n = x.shape[0]
+    pad = (-n) % tile
+    if pad == 0:
+        return x
+    return torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, invariant: bool = True) -> torch.Tensor:
+    """x [n, in] @ w[out, in].T (+ b), each row computed the same way
+    whatever n is (invariant=False: one plain GEMM, for measuring the tax)."""
+    n = x.shape[0]
+    y = (pad_rows(x) if invariant else x) @ w.T
+    if b is not None:
+        y = y + b
+    return y[:n] if y.shape[0] != n else y

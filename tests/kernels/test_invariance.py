@@ -1,0 +1,58 @@
+"""The building blocks of batch invariance, on the torch backend: a row of
+a linear layer and of attention does not depend on the other rows."""
+
+from __future__ import annotations
+
+import torch
+
+from superfluid.kernels.attention import attention_torch, build_batch
+from superfluid.kernels.linear import linear
+from superfluid.kernels.swiglu import silu
+
+
+def test_a_linear_row_is_the_same_in_any_batch_and_position():
+    torch.manual_seed(0)
+    w = torch.randn(384, 256)
+    x = torch.randn(300, 256)
+    ref = linear(x[:1], w)[0]
+    for n in (1, 2, 3, 7, 8, 9, 31, 64, 100, 300):
+        for p in {0, n // 2, n - 1}:
+            xx = x[:n].clone()
+            xx[p] = x[0]
+            assert torch.equal(linear(xx, w)[p], ref), (n, p)
+
+
+def test_plain_gemm_is_not_row_invariant():
+    # Negative control: why linear() pads.
+    torch.manual_seed(0)
+    w = torch.randn(384, 256)
+    x = torch.randn(64, 256)
+    ref = (x[:1] @ w.T)[0]
+    assert any(not torch.equal((x[:n] @ w.T)[0], ref) for n in (2, 3, 8, 9, 17, 64))
+
+
+def test_silu_is_position_independent():
+    x = torch.randn(40000) * 4
+    ref = silu(x)
+    for n, off in ((1, 0), (7, 3), (33, 11), (1000, 5), (32769, 17)):
+        assert torch.equal(silu(x[off:off + n]), ref[off:off + n])
+
+
+def test_attention_rows_ignore_other_feeds():
+    torch.manual_seed(1)
+    page, n_kv, g, d = 16, 2, 3, 32
+    blocks = 64
+    k_cache = torch.randn(blocks, page, n_kv, d)
+    v_cache = torch.randn(blocks, page, n_kv, d)
+    lane_blocks = [5, 9, 2, 30, 31]
+    q_lane = torch.randn(1, n_kv * g, d)
+    alone = attention_torch(q_lane, k_cache, v_cache, build_batch([(lane_blocks, 70, 1)], page, g), 0.2)
+    others = [([1, 3], 20, 4), ([7, 8, 10, 11, 12, 13, 14], 100, 1), ([40], 0, 9)]
+    for at in range(len(others) + 1):
+        feeds = others[:at] + [(lane_blocks, 70, 1)] + others[at:]
+        n = sum(f[2] for f in feeds)
+        q = torch.randn(n, n_kv * g, d)
+        first = sum(f[2] for f in feeds[:at])
+        q[first] = q_lane[0]
+        out = attention_torch(q, k_cache, v_cache, build_batch(feeds, page, g), 0.2)
+        assert torch.equal(out[first], alone[0])
