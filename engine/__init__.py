@@ -18,8 +18,8 @@ from superfluid.engine.runtime import (
 
 
 def load(path, backend: str = "torch", **options):
-    """Load a checkpoint into a TransformerRuntime (see engine/load.py)."""
-    from superfluid.engine.load import load as _load
+    """Load a checkpoint into a TransformerRuntime (see engine/loader.py)."""
+    from superfluid.engine.loader import load as _load
 
     return _load(path, backend, **options)
 

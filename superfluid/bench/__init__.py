@@ -11,6 +11,7 @@ import importlib
 
 BENCHES: tuple[str, ...] = (
     "superfluid.bench.ring",
+    "superfluid.bench.engine",
 )
 
 
