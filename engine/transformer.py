@@ -11,6 +11,7 @@ executor can see.
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +36,8 @@ from superfluid.engine.runtime import (
 from superfluid.kernels.attention import build_batch
 
 _EXPORT_MAGIC = b"SFKV"
-_EXPORT_HEAD = struct.Struct("<4sIIIIIII")  # magic, version, cells, layers, kv_heads, head_dim, dtype, page
+# magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 of the payload
+_EXPORT_HEAD = struct.Struct("<4sIIIIIIII")
 
 
 class TransformerRuntime(Runtime):
@@ -200,11 +202,12 @@ class TransformerRuntime(Runtime):
 
     def seq_export(self, seq: int) -> bytes:
         s = self._seq(seq)
-        k, v = self.pool.read_cells(s)
+        k, v = self.pool.read_cells(s) if s.length else (torch.empty(0), torch.empty(0))
         dt = 0 if self.pool.k.dtype == torch.float32 else (1 if self.pool.k.dtype == torch.bfloat16 else 2)
+        payload = _tensor_bytes(k) + _tensor_bytes(v)
         head = _EXPORT_HEAD.pack(_EXPORT_MAGIC, 1, s.length, self.cfg.num_layers, self.cfg.num_kv_heads,
-                                 self.cfg.head_dim, dt, self.pool.page)
-        return head + _tensor_bytes(k) + _tensor_bytes(v)
+                                 self.cfg.head_dim, dt, self.pool.page, zlib.crc32(payload))
+        return head + payload
 
     def seq_import(self, seq: int, data: bytes) -> int:
         s = self._seq(seq)
@@ -212,7 +215,7 @@ class TransformerRuntime(Runtime):
             raise OutOfBounds(f"import into sequence {seq}, which holds {s.length} cells")
         if len(data) < _EXPORT_HEAD.size:
             raise OutOfBounds("an export blob shorter than its header")
-        magic, version, n, layers, kvh, hd, dt, _page = _EXPORT_HEAD.unpack_from(data)
+        magic, version, n, layers, kvh, hd, dt, _page, crc = _EXPORT_HEAD.unpack_from(data)
         want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
         if magic != _EXPORT_MAGIC or version != 1 or (layers, kvh, hd) != want:
             raise OutOfBounds(f"an export blob of another model or format ({magic!r} v{version}, "
@@ -225,6 +228,10 @@ class TransformerRuntime(Runtime):
         each = n * layers * kvh * hd * torch.tensor([], dtype=dtype).element_size()
         if len(data) != _EXPORT_HEAD.size + 2 * each:
             raise OutOfBounds(f"an export blob of {len(data)} bytes, expected {_EXPORT_HEAD.size + 2 * each}")
+        if zlib.crc32(memoryview(data)[_EXPORT_HEAD.size:]) != crc:
+            raise OutOfBounds("an export blob whose checksum does not match (corrupted)")
+        if n == 0:
+            return 0
         need = self.pool.blocks_for(n)
         if need > self.pool.n_free:
             raise CapacityError(f"the import needs {need} KV blocks, {self.pool.n_free} are free")
