@@ -22,25 +22,46 @@ TRASH = 0
 class SeqState:
     blocks: list[int]
     length: int = 0
+    # Bumped by every change but appending (truncate, copy into, import), so a
+    # copy of its cells kept elsewhere knows it is stale.
+    version: int = 0
 
 
 class KVPool:
     """K and V of every layer, [layers, blocks, page, kv_heads, head_dim]."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_blocks: int, page: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", heads_major: bool = False):
         if n_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the trash block), got {n_blocks}")
         if page < 1:
             raise ValueError(f"page must be >= 1, got {page}")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.n_blocks, self.page = n_blocks, page
-        shape = (n_layers, n_blocks, page, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # k/v are always seen as [layers, blocks, page, kv_heads, head_dim]; with
+        # heads_major the memory underneath is [layers, kv_heads, blocks, page,
+        # head_dim], so one head's cells of a block table gather contiguously.
+        self.heads_major = heads_major
+        if heads_major:
+            shape = (n_layers, n_kv_heads, n_blocks, page, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
+            self.v = torch.zeros(shape, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
+        else:
+            shape = (n_layers, n_blocks, page, n_kv_heads, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.refs = [0] * n_blocks
         self.refs[TRASH] = 1  # never handed out, never freed
         self._free = list(range(n_blocks - 1, 0, -1))  # a stack: low ids first
+
+    @property
+    def heads_k(self) -> torch.Tensor:
+        """K as stored when heads_major: [layers, kv_heads, blocks, page, head_dim]."""
+        return self.k.permute(0, 3, 1, 2, 4)
+
+    @property
+    def heads_v(self) -> torch.Tensor:
+        return self.v.permute(0, 3, 1, 2, 4)
 
     # ------------------------------------------------------------ blocks
 
@@ -83,7 +104,7 @@ class KVPool:
 
     @property
     def allocated_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size()  # numel of the view is the storage's
 
     # --------------------------------------------------------- sequences
 
@@ -119,6 +140,7 @@ class KVPool:
         self.decref(seq.blocks[keep:])
         del seq.blocks[keep:]
         seq.length = n
+        seq.version += 1
 
     def copy_prefix(self, src: SeqState, n: int) -> SeqState:
         """A new sequence of the first n cells of src: full blocks shared,
@@ -148,21 +170,19 @@ class KVPool:
 
     # ---------------------------------------------------- cells as bytes
 
-    def cell_index(self, seq: SeqState, start: int, stop: int) -> torch.Tensor:
-        """Flat cell ids (block * page + offset) of positions [start, stop)."""
+    def _where(self, seq: SeqState, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block and offset of positions [start, stop)."""
         pos = torch.arange(start, stop)
-        blocks = torch.tensor(seq.blocks, dtype=torch.long)
-        return blocks[pos // self.page] * self.page + pos % self.page
+        blocks = torch.tensor(seq.blocks, dtype=torch.long)[pos // self.page]
+        return blocks.to(self.k.device), (pos % self.page).to(self.k.device)
 
     def read_cells(self, seq: SeqState) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the sequence's cells, [layers, length, kv_heads, head_dim]."""
-        idx = self.cell_index(seq, 0, seq.length).to(self.k.device)
-        flat = (self.n_layers, self.n_blocks * self.page, self.n_kv_heads, self.head_dim)
-        return self.k.view(flat)[:, idx], self.v.view(flat)[:, idx]
+        b, o = self._where(seq, 0, seq.length)
+        return self.k[:, b, o], self.v[:, b, o]
 
     def write_cells(self, seq: SeqState, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write [layers, n, kv_heads, head_dim] cells at positions [start, start + n)."""
-        idx = self.cell_index(seq, start, start + k.shape[1]).to(self.k.device)
-        flat = (self.n_layers, self.n_blocks * self.page, self.n_kv_heads, self.head_dim)
-        self.k.view(flat)[:, idx] = k.to(self.k.dtype)
-        self.v.view(flat)[:, idx] = v.to(self.v.dtype)
+        b, o = self._where(seq, start, start + k.shape[1])
+        self.k[:, b, o] = k.to(self.k.dtype)
+        self.v[:, b, o] = v.to(self.v.dtype)

@@ -10,6 +10,7 @@ one matrix, gate/up into another) so a layer is four GEMMs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -79,11 +80,12 @@ class Model:
         self.sin = sin.to(self.device)
         self.scale = cfg.head_dim ** -0.5
 
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> int:
         seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
         for layer in self.layers:
-            for t in dataclasses.astuple(layer):
+            for f in dataclasses.fields(layer):
+                t = getattr(layer, f.name)
                 if t is not None:
                     seen[id(t)] = t
         return sum(t.numel() * t.element_size() for t in seen.values())
@@ -99,7 +101,7 @@ class Model:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_end, k_end = nh * hd, (nh + nkv) * hd
         pos = batch.positions
-        x = self.embed[tokens]
+        x = self.embed.index_select(0, tokens)
         for li, layer in enumerate(self.layers):
             h = be.rmsnorm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = be.linear(h, layer.qkv, layer.qkv_bias)
@@ -112,7 +114,7 @@ class Model:
             q = be.rope(q, self.cos, self.sin, pos)
             k = be.rope(k, self.cos, self.sin, pos)
             be.kv_write(k_cache[li], v_cache[li], batch.cells, k, v)
-            a = be.attention(q, k_cache[li], v_cache[li], batch, self.scale)
+            a = be.attention(q, k_cache[li], v_cache[li], batch, self.scale, li)
             x = x + be.linear(a.reshape(n, q_end), layer.o, layer.o_bias)
             h = be.rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
             x = x + be.linear(be.swiglu(be.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,

@@ -33,7 +33,9 @@ from superfluid.engine.runtime import (
     UnknownSequence,
     Vocabulary,
 )
-from superfluid.kernels.attention import build_batch
+import math
+
+from superfluid.kernels.attention import KEY_CHUNK, DenseKV, build_batch
 
 _EXPORT_MAGIC = b"SFKV"
 # magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 of the payload
@@ -50,7 +52,7 @@ class TransformerRuntime(Runtime):
         self.model = model
         self.cfg = cfg
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-kv_cells // page) + 1, page,
-                           dtype=model.dtype, device=model.device)
+                           dtype=model.dtype, device=model.device, heads_major=model.backend.heads_major_kv)
         self.seqs: dict[int, SeqState] = {}
         self._next_id = 1
         self.desc = RuntimeDescription(
@@ -60,6 +62,8 @@ class TransformerRuntime(Runtime):
             prefill_step_tokens=prefill_step_tokens, engine_sampling=True, engine_draws=True,
             verify_batches=True, exact_only=False)
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(cfg.eos_token_ids), dict(specials or {}))
+        backend = model.backend
+        self._mirrors = _Mirrors() if backend.dense_kv and self.pool.heads_major else None
 
     # --------------------------------------------------------- sequences
 
@@ -89,7 +93,9 @@ class TransformerRuntime(Runtime):
         if partial > self.pool.n_free + self.pool.released_by([d]):
             raise CapacityError("no free block for the copied partial block")
         self.pool.release(d)
-        self.seqs[dst] = self.pool.copy_prefix(s, n)
+        copied = self.pool.copy_prefix(s, n)
+        copied.version = d.version + 1
+        self.seqs[dst] = copied
 
     def seq_truncate(self, seq: int, n: int) -> None:
         s = self._seq(seq)
@@ -102,6 +108,8 @@ class TransformerRuntime(Runtime):
         if s is None:
             raise UnknownSequence(f"no sequence {seq}")
         self.pool.release(s)
+        if self._mirrors:
+            self._mirrors.forget(seq)
 
     def seq_len(self, seq: int) -> int:
         return self._seq(seq).length
@@ -141,6 +149,7 @@ class TransformerRuntime(Runtime):
                 self.pool.grow(s, len(f.tokens))
             layout = [(s.blocks, s.length, len(f.tokens)) for s, f in zip(states, feeds)]
             batch = build_batch(layout, self.pool.page, self.cfg.num_heads // self.cfg.num_kv_heads, device=dev)
+            mirrored = self._mirrors.attach(self.pool, batch, feeds, states) if self._mirrors else []
             tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=dev)
             row_index = None
             if not all_rows:
@@ -159,6 +168,8 @@ class TransformerRuntime(Runtime):
             raise FatalError(f"forward pass failed: {e!r}") from e
         for s, f in zip(states, feeds):
             s.length += len(f.tokens)
+        for m in mirrored:
+            m.lengths = [n + 1 for n in m.lengths]
         return logits
 
     def _restore(self, states: list[SeqState], saved: list[tuple[list[int], int]]) -> None:
@@ -240,6 +251,7 @@ class TransformerRuntime(Runtime):
         v = _bytes_tensor(data[_EXPORT_HEAD.size + each:], dtype, shape)
         s.blocks = self.pool.alloc(need)
         s.length = n
+        s.version += 1
         self.pool.write_cells(s, 0, k, v)
         return n
 
@@ -247,8 +259,10 @@ class TransformerRuntime(Runtime):
 
     def mem_counters(self) -> MemCounters:
         p = self.pool
+        mirrors = self._mirrors.bytes if self._mirrors else 0
         return MemCounters(cells_total=(p.n_blocks - 1) * p.page, cells_used=p.n_used * p.page,
-                           allocated_bytes=p.allocated_bytes + self.model.weight_bytes, seqs=len(self.seqs))
+                           allocated_bytes=p.allocated_bytes + self.model.weight_bytes + mirrors,
+                           seqs=len(self.seqs))
 
     def cells_released(self, seqs: Sequence[int]) -> int:
         states = [self._seq(s) for s in dict.fromkeys(seqs)]
@@ -262,6 +276,75 @@ class TransformerRuntime(Runtime):
 
     def close(self) -> None:
         self.seqs.clear()
+        if self._mirrors:
+            self._mirrors.entries.clear()
+
+
+class _Mirror:
+    __slots__ = ("seqs", "versions", "lengths", "k", "v")
+
+    def __init__(self, seqs, versions, lengths, k, v):
+        self.seqs, self.versions, self.lengths, self.k, self.v = seqs, versions, lengths, k, v
+
+
+class _Mirrors:
+    """Decode groups' cells kept dense across steps (kernels/attention.DenseKV).
+
+    A steady decode batch would otherwise gather every cell of every lane
+    from the pool at every layer of every step. A mirror is keyed by its
+    sequences in group order and good while each sequence's version and
+    length are what the mirror last saw; otherwise it is rebuilt from the
+    pool (one gather). Only the newest few are kept."""
+
+    KEEP = 4
+    HEADROOM = 128  # cells of room past the longest sequence, so appends rarely rebuild
+
+    def __init__(self):
+        self.entries: dict[tuple[int, ...], _Mirror] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(2 * m.k.numel() * m.k.element_size() for m in self.entries.values())
+
+    def forget(self, seq: int) -> None:
+        for key in [k for k in self.entries if seq in k]:
+            del self.entries[key]
+
+    def attach(self, pool: KVPool, batch, feeds: Sequence[Feed], states: list[SeqState]) -> list[_Mirror]:
+        used = []
+        for grp in batch.groups:
+            if grp.max_tokens != 1:
+                continue
+            key = tuple(feeds[i].seq for i in grp.feeds)
+            members = [states[i] for i in grp.feeds]
+            lengths = [s.length for s in members]
+            versions = [s.version for s in members]
+            m = self.entries.pop(key, None)
+            if m is None or m.versions != versions or m.lengths != lengths or m.k.shape[3] <= max(lengths):
+                # (first use, a member changed, or no room for this step's cells)
+                m = self._build(pool, key, members, versions, lengths)
+            self.entries[key] = m  # newest last
+            while len(self.entries) > self.KEEP:
+                del self.entries[next(iter(self.entries))]
+            first = grp.q_index[:, 0]
+            grp.dense = DenseKV(m.k, m.v, grp.row_pos[:, 0], batch.cells[first])
+            used.append(m)
+        return used
+
+    def _build(self, pool: KVPool, key, members: list[SeqState], versions, lengths) -> _Mirror:
+        unit = KEY_CHUNK * pool.page // math.gcd(KEY_CHUNK, pool.page)
+        cap = -(-(max(lengths) + self.HEADROOM) // unit) * unit
+        nb = cap // pool.page
+        table = torch.zeros((len(members), nb), dtype=torch.long)
+        for i, s in enumerate(members):
+            b = s.blocks[:nb]
+            table[i, :len(b)] = torch.tensor(b, dtype=torch.long)
+        flat = table.reshape(-1).to(pool.k.device)
+        layers, kvh, f, d = pool.n_layers, pool.n_kv_heads, len(members), pool.head_dim
+        k = pool.heads_k.index_select(2, flat).view(layers, kvh, f, cap, d)
+        v = (pool.heads_v.index_select(2, flat).view(layers, kvh, f, cap // KEY_CHUNK, KEY_CHUNK, d)
+             .permute(0, 3, 1, 2, 4, 5).contiguous())
+        return _Mirror(key, versions, list(lengths), k, v)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -8,7 +8,7 @@ combined in chunk order. The split depends only on the sequence, never on
 what shares the step, so a row is bitwise the same whether its token came
 alone, in a batch, or in any chunk of a prefill:
   - score and value GEMMs have fixed inner sizes (head_dim, KEY_CHUNK) and
-    rows padded to a multiple of 8 (kernels/linear.py says why);
+    rows padded to a multiple of ROW_TILE;
   - padding (rows, keys past a sequence, chunks past the longest sequence)
     adds exact zeros to the chunk combination.
 
@@ -23,10 +23,27 @@ import math
 
 import torch
 
-from superfluid.kernels.linear import ROW_TILE
-
 KEY_CHUNK = 64
+# Query rows of a score GEMM are padded to this: MKL's full-tile kernel then
+# treats every row alike (kernels/linear.py has the same story for tokens).
+ROW_TILE = 8
 NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass
+class DenseKV:
+    """A decode group's cells gathered once and kept across steps, so a
+    steady decode batch reads its keys in place instead of gathering them
+    from the pool every step. K is [layers, kv_heads, F, capacity, head_dim]
+    (one score GEMM per row over all keys); V is chunk-major, [layers,
+    capacity / KEY_CHUNK, kv_heads, F, KEY_CHUNK, head_dim], so the first
+    chunks are one contiguous run for the per-chunk value GEMMs. This step's
+    new cells are copied in from the pool (`cells`) at `pos`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor  # [F] position of this step's token in each feed
+    cells: torch.Tensor  # [F] its flat cell id in the pool
 
 
 @dataclasses.dataclass
@@ -37,6 +54,10 @@ class AttnGroup:
     row_pos: torch.Tensor  # [F, Tq] absolute position of each query token (0 for pads)
     kv_blocks: torch.Tensor  # [F, Lp / page] block ids of keys [0, Lp), TRASH past the sequence
     key_len: int  # Lp: a multiple of KEY_CHUNK and of the page
+    feeds: list[int] = dataclasses.field(default_factory=list)  # index of each row's feed in the step
+    max_tokens: int = 0  # the most tokens any feed of the group brings
+    dense: DenseKV | None = None
+    masked: torch.Tensor | None = None  # [1, F, rows, key_len] keys past each row: built once per step
 
 
 @dataclasses.dataclass
@@ -66,7 +87,7 @@ def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: in
         pos = range(start, start + n)
         positions.extend(pos)
         cells.extend(blocks[p // page] * page + p % page for p in pos)
-        spans.append((at, n, start + n, blocks))
+        spans.append((at, n, start + n, blocks, len(spans)))
         at += n
     n_tokens = at
     # Rows per token are q_per_kv; pad the token count so rows are a multiple of 8.
@@ -94,68 +115,112 @@ def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: in
             q_index = torch.full((len(chunk), tq), n_tokens, dtype=torch.long)
             row_pos = torch.zeros((len(chunk), tq), dtype=torch.long)
             kv_blocks = torch.zeros((len(chunk), nb), dtype=torch.long)
-            for i, (first, n, end, blocks) in enumerate(chunk):
+            for i, (first, n, end, blocks, _) in enumerate(chunk):
                 q_index[i, :n] = torch.arange(first, first + n)
                 row_pos[i, :n] = torch.arange(end - n, end)
                 used = min(len(blocks), nb)
                 kv_blocks[i, :used] = torch.tensor(blocks[:used], dtype=torch.long)
-            groups.append(AttnGroup(q_index.to(device), row_pos.to(device), kv_blocks.to(device), lp))
+            groups.append(AttnGroup(q_index.to(device), row_pos.to(device), kv_blocks.to(device), lp,
+                                    feeds=[sp[4] for sp in chunk], max_tokens=max(sp[1] for sp in chunk)))
     return AttnBatch(n_tokens, torch.tensor(positions, dtype=torch.long, device=device),
                      torch.tensor(cells, dtype=torch.long, device=device), groups)
 
 
+def heads_major(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache [blocks, page, kv_heads, head_dim] as [kv_heads,
+    blocks, page, head_dim]: free when the pool stores it that way (the torch
+    backend's pool does), a copy otherwise."""
+    h = cache.permute(2, 0, 1, 3)
+    return h if h.is_contiguous() else h.contiguous()
+
+
+def group_keys(grp: AttnGroup, kh: torch.Tensor, vh: torch.Tensor, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's keys [kv_heads, F, L, head_dim] and values by chunk
+    [L / KEY_CHUNK, kv_heads, F, KEY_CHUNK, head_dim] (L >= key_len, a
+    multiple of KEY_CHUNK): from its DenseKV when it has one, else gathered
+    from the pool (heads-major [kv, blocks, page, d])."""
+    n_kv, page, d = kh.shape[0], kh.shape[2], kh.shape[-1]
+    if grp.dense is not None and layer is not None:
+        dk, dv = grp.dense.k[layer], grp.dense.v[layer]
+        f = torch.arange(dk.shape[1], device=dk.device)
+        pos, blocks, offs = grp.dense.pos, grp.dense.cells // page, grp.dense.cells % page
+        dk[:, f, pos] = kh[:, blocks, offs]
+        dv[pos // KEY_CHUNK, :, f, pos % KEY_CHUNK] = vh[:, blocks, offs].transpose(0, 1)
+        return dk, dv
+    f = grp.kv_blocks.shape[0]
+    flat = grp.kv_blocks.reshape(-1)
+    k = kh.index_select(1, flat).view(n_kv, f, grp.key_len, d)
+    v = vh.index_select(1, flat).view(n_kv, f, grp.key_len // KEY_CHUNK, KEY_CHUNK, d).permute(2, 0, 1, 3, 4)
+    return k, v
+
+
 def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, layer: int | None = None) -> torch.Tensor:
     """q [n_tokens, heads, head_dim] of one layer (the step's K/V already in
     the cache, [blocks, page, kv_heads, head_dim]) -> [n_tokens, heads,
-    head_dim] (the reference; the CPU serving path)."""
+    head_dim] (the reference; the CPU serving path). `layer` selects the
+    layer of a group's DenseKV, if it has one."""
     n, n_heads, d = q.shape
-    _, page, n_kv, _ = k_cache.shape
+    kh, vh = heads_major(k_cache), heads_major(v_cache)  # [kv, blocks, page, d]
+    n_kv, _, page, _ = kh.shape
     g = n_heads // n_kv
     out = q.new_empty(n + 1, n_heads, d)
     q_pad = torch.cat([q, q.new_zeros(1, n_heads, d)])
     for grp in batch.groups:
         f, tq = grp.q_index.shape
-        lp, nc = grp.key_len, grp.key_len // KEY_CHUNK
         rows = tq * g
+        real = min(rows, _round_up(grp.max_tokens * g, 1) if grp.max_tokens else rows)
         # Rows of a KV head: (token, query head in the group), token-major.
-        qg = q_pad[grp.q_index].view(f, tq, n_kv, g, d).permute(0, 2, 1, 3, 4).reshape(f, n_kv, rows, d)
-        k = k_cache[grp.kv_blocks].view(f, lp, n_kv, d).permute(0, 2, 1, 3)
-        v = v_cache[grp.kv_blocks].view(f, nc, KEY_CHUNK, n_kv, d).permute(0, 3, 1, 2, 4)
-        s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [f, kv, rows, lp]
-        row_pos = grp.row_pos.repeat_interleave(g, dim=1).view(f, 1, rows, 1)
-        key_pos = torch.arange(lp, device=q.device).view(1, 1, 1, lp)
-        s = s.masked_fill(key_pos > row_pos, NEG_INF).view(f, n_kv, rows, nc, KEY_CHUNK)
-        m = s.amax(-1)  # [f, kv, rows, nc]
-        m_safe = m.masked_fill(m == NEG_INF, 0.0)
-        p = torch.exp(s - m_safe.unsqueeze(-1))
+        qg = q_pad[grp.q_index].view(f, tq, n_kv, g, d).permute(2, 0, 1, 3, 4).reshape(n_kv, f, rows, d)
+        k, v = group_keys(grp, kh, vh, layer)
+        lp = grp.key_len
+        nc = lp // KEY_CHUNK
+        k, v = k[:, :, :lp], v[:nc]
+        # One score GEMM over all keys (columns are invariant in multiples of
+        # KEY_CHUNK), then only the rows that are not padding.
+        s = (torch.matmul(qg, k.transpose(-1, -2)) * scale)[:, :, :real]  # [kv, f, real, lp]
+        if grp.masked is None or grp.masked.shape[2] != real:  # the same for every layer of the step
+            row_pos = grp.row_pos.repeat_interleave(g, dim=1)[:, :real].view(1, f, real, 1)
+            grp.masked = torch.arange(lp, device=q.device).view(1, 1, 1, lp) > row_pos
+        s = s.masked_fill(grp.masked, NEG_INF).view(n_kv, f, real, nc, KEY_CHUNK)
+        m = s.amax(-1)  # [kv, f, real, nc]
+        p = torch.exp(s - m.masked_fill(m == NEG_INF, 0.0).unsqueeze(-1))
         l_part = p.sum(-1)
-        acc = torch.matmul(p.permute(0, 1, 3, 2, 4), v)  # [f, kv, nc, rows, d]
+        # Value GEMMs per chunk (their inner size is KEY_CHUNK), rows padded back to ROW_TILE.
+        pt = p.permute(3, 0, 1, 2, 4)  # [nc, kv, f, real, chunk]
+        if real % ROW_TILE:
+            pt = torch.nn.functional.pad(pt, (0, 0, 0, ROW_TILE - real % ROW_TILE))
+        acc = torch.matmul(pt, v)[:, :, :, :real]  # [nc, kv, f, real, d]
         m_all = m.amax(-1, keepdim=True)
-        w = torch.exp(m - m_all.masked_fill(m_all == NEG_INF, 0.0)).transpose(-1, -2)  # [f, kv, nc, rows]
-        # Sums over the chunk axis (an outer axis): chunk order, zeros for padding.
-        num = (acc * w.unsqueeze(-1)).sum(2)
-        den = (l_part.transpose(-1, -2) * w).sum(2)
-        o = (num / den.unsqueeze(-1)).view(f, n_kv, tq, g, d).permute(0, 2, 1, 3, 4).reshape(f * tq, n_heads, d)
+        w = torch.exp(m - m_all.masked_fill(m_all == NEG_INF, 0.0)).permute(3, 0, 1, 2)  # [nc, kv, f, real]
+        # Sums over the chunk axis (the outer axis): chunk order, zeros for padding.
+        num = (acc * w.unsqueeze(-1)).sum(0)  # [kv, f, real, d]
+        den = (l_part.permute(3, 0, 1, 2) * w).sum(0)
+        o = num / den.unsqueeze(-1)
+        if real < rows:
+            o = torch.nn.functional.pad(o, (0, 0, 0, rows - real))
+        o = o.view(n_kv, f, tq, g, d).permute(1, 2, 0, 3, 4).reshape(f * tq, n_heads, d)
         out[grp.q_index.reshape(-1)] = o
     return out[:n]
 
 
 def attention_plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, layer: int | None = None) -> torch.Tensor:
     """The same attention as one masked softmax per group, with no care for
     invariance: only to measure what invariance costs."""
     n, n_heads, d = q.shape
-    _, page, n_kv, _ = k_cache.shape
+    kh, vh = heads_major(k_cache), heads_major(v_cache)
+    n_kv = kh.shape[0]
     g = n_heads // n_kv
     out = q.new_empty(n + 1, n_heads, d)
     q_pad = torch.cat([q, q.new_zeros(1, n_heads, d)])
     for grp in batch.groups:
         f, tq = grp.q_index.shape
-        lp = grp.key_len
         qg = q_pad[grp.q_index].transpose(1, 2)  # [f, heads, tq, d]
-        k = k_cache[grp.kv_blocks].view(f, lp, n_kv, d).transpose(1, 2).repeat_interleave(g, dim=1)
-        v = v_cache[grp.kv_blocks].view(f, lp, n_kv, d).transpose(1, 2).repeat_interleave(g, dim=1)
+        k, v = group_keys(grp, kh, vh, layer)
+        lp = k.shape[2]
+        k = k.transpose(0, 1).repeat_interleave(g, dim=1)
+        v = v.permute(2, 1, 0, 3, 4).reshape(f, n_kv, lp, d).repeat_interleave(g, dim=1)
         mask = torch.arange(lp, device=q.device).view(1, 1, 1, lp) <= grp.row_pos.view(f, 1, tq, 1)
         o = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         out[grp.q_index.reshape(-1)] = o.transpose(1, 2).reshape(f * tq, n_heads, d)

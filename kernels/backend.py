@@ -22,6 +22,9 @@ BACKENDS = ("torch", "triton")
 
 class Backend:
     name = "torch"
+    # The pool stores each layer [kv_heads, blocks, page, head_dim] underneath:
+    # a block table then gathers one head's cells as one contiguous run.
+    heads_major_kv = True
 
     def __init__(self, invariant: bool = True):
         self.invariant = invariant
@@ -47,14 +50,19 @@ class Backend:
 
         return sample_torch(logits, *_spec_columns(specs))
 
-    def attention(self, q, k_cache, v_cache, batch: _attn.AttnBatch, scale: float) -> torch.Tensor:
+    # Whether attention can read a group's keys from a DenseKV kept across steps.
+    dense_kv = True
+
+    def attention(self, q, k_cache, v_cache, batch: _attn.AttnBatch, scale: float,
+                  layer: int | None = None) -> torch.Tensor:
         if self.invariant:
-            return _attn.attention_torch(q, k_cache, v_cache, batch, scale)
-        return _attn.attention_plain(q, k_cache, v_cache, batch, scale)
+            return _attn.attention_torch(q, k_cache, v_cache, batch, scale, layer)
+        return _attn.attention_plain(q, k_cache, v_cache, batch, scale, layer)
 
 
 class TritonBackend(Backend):
     name = "triton"
+    heads_major_kv = False  # the kernels address cells as [blocks, page, kv_heads, head_dim]
 
     def __init__(self, invariant: bool = True):
         super().__init__(invariant)
@@ -74,7 +82,9 @@ class TritonBackend(Backend):
     def kv_write(self, k_cache, v_cache, cells, k, v) -> None:
         self._ops.kv_write(k_cache, v_cache, cells, k, v)
 
-    def attention(self, q, k_cache, v_cache, batch, scale):
+    dense_kv = False  # the kernels read the paged pool in place
+
+    def attention(self, q, k_cache, v_cache, batch, scale, layer=None):
         return self._ops.attention(q, k_cache, v_cache, batch, scale)
 
     def sample(self, logits, specs):

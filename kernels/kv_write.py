@@ -24,9 +24,13 @@ def kv_write_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Te
     """k_cache/v_cache [blocks, page, kv_heads, head_dim] of one layer; cells
     [n] flat cell ids (block * page + offset); k/v [n, kv_heads, head_dim]
     (the reference)."""
-    blocks, page = k_cache.shape[:2]
-    k_cache.view(blocks * page, *k_cache.shape[2:]).index_copy_(0, cells, k.to(k_cache.dtype))
-    v_cache.view(blocks * page, *v_cache.shape[2:]).index_copy_(0, cells, v.to(v_cache.dtype))
+    blocks, page, n_kv, d = k_cache.shape
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        heads = cache.permute(2, 0, 1, 3)
+        if heads.is_contiguous():  # the torch backend's pool: [kv_heads, blocks, page, head_dim] underneath
+            heads.view(n_kv, blocks * page, d).index_copy_(1, cells, new.to(cache.dtype).transpose(0, 1))
+        else:
+            cache.view(blocks * page, n_kv, d).index_copy_(0, cells, new.to(cache.dtype))
 
 
 if triton is not None:

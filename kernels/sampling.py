@@ -74,10 +74,21 @@ def sample_torch(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Pa
         return torch.zeros(B, dtype=torch.int64, device=dev)
 
     x = rows.to(torch.float32)
-    x = torch.where(torch.isnan(x), _NEG_INF, x)
     greedy = torch.argmax(x, dim=1)  # first maximum: the lowest id on ties
+    if bool(torch.isnan(x.gather(1, greedy[:, None])).any()):
+        # argmax ranks NaN first; the rule ranks it last. Only then pay for a masked copy.
+        x = torch.where(torch.isnan(x), _NEG_INF, x)
+        greedy = torch.argmax(x, dim=1)
 
     samp = temp > 0  # False for NaN too
+    if not bool(samp.any()):
+        return greedy  # all greedy: none of the float64 work below
+    if not bool(samp.all()):
+        # Only the sampled rows go through the filters; the rest keep their argmax.
+        r = samp.nonzero().squeeze(1)
+        out = greedy.clone()
+        out[r] = sample_torch(rows[r], temp[r], k[r], p[r], mp[r], _positions(position, B, dev)[r])
+        return out
     z = x.to(torch.float64) / torch.where(samp, temp, 1.0)[:, None]
     keep = torch.isfinite(z)
     n = keep.sum(1)

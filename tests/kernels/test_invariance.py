@@ -23,7 +23,7 @@ def test_a_linear_row_is_the_same_in_any_batch_and_position():
 
 
 def test_plain_gemm_is_not_row_invariant():
-    # Negative control: why linear() pads.
+    # Negative control: why linear() pads and puts the tokens on the columns.
     torch.manual_seed(0)
     w = torch.randn(384, 256)
     x = torch.randn(64, 256)
