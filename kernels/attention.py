@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 KEY_CHUNK = 64
@@ -80,50 +81,51 @@ def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: in
     tokens fed) per feed, in step order (tokens are laid out feed after feed).
     Feeds are grouped by padded query length so a decode batch is one group
     and each long prefill its own; grouping never changes a result."""
-    positions, cells = [], []
-    spans = []
-    at = 0
-    for blocks, start, n in feeds:
-        pos = range(start, start + n)
-        positions.extend(pos)
-        cells.extend(blocks[p // page] * page + p % page for p in pos)
-        spans.append((at, n, start + n, blocks, len(spans)))
-        at += n
-    n_tokens = at
-    # Rows per token are q_per_kv; pad the token count so rows are a multiple of 8.
+    nf = len(feeds)
+    n = np.fromiter((f[2] for f in feeds), dtype=np.int64, count=nf)
+    start = np.fromiter((f[1] for f in feeds), dtype=np.int64, count=nf)
+    end = start + n
+    first = np.cumsum(n) - n  # each feed's first token in the step
+    n_tokens = int(n.sum())
+    width = max((len(f[0]) for f in feeds), default=0)
+    table = np.zeros((nf, max(width, 1)), dtype=np.int64)  # block tables, TRASH-padded
+    for i, f in enumerate(feeds):
+        table[i, :len(f[0])] = f[0]
+    feed_of = np.repeat(np.arange(nf), n)
+    positions = np.arange(n_tokens) - np.repeat(first, n) + np.repeat(start, n)
+    cells = table[feed_of, positions // page] * page + positions % page
+    # Rows per token are q_per_kv; pad the token count so rows are a multiple of ROW_TILE.
     tq_unit = ROW_TILE // math.gcd(q_per_kv, ROW_TILE)
     key_unit = KEY_CHUNK * page // math.gcd(KEY_CHUNK, page)
-    by_tq: dict[int, list] = {}
-    for sp in spans:
-        tq = _round_up(sp[1], tq_unit)
+    by_tq: dict[int, list[int]] = {}
+    for i in range(nf):
+        tq = _round_up(int(n[i]), tq_unit)
         tq = 1 << (tq - 1).bit_length() if tq > tq_unit else tq  # few distinct shapes
-        by_tq.setdefault(_round_up(tq, tq_unit), []).append(sp)
+        by_tq.setdefault(_round_up(tq, tq_unit), []).append(i)
     groups = []
     for tq, members in sorted(by_tq.items()):
-        members.sort(key=lambda sp: sp[2])
+        members.sort(key=lambda i: end[i])  # stable: ties keep step order
         while members:
             # As many as fit the element budget, shortest sequences together.
             take = 1
             while take < len(members):
-                lp = _round_up(members[take][2], key_unit)
+                lp = _round_up(int(end[members[take]]), key_unit)
                 if (take + 1) * tq * q_per_kv * lp > max_group_elems:
                     break
                 take += 1
-            chunk, members = members[:take], members[take:]
-            lp = _round_up(max(sp[2] for sp in chunk), key_unit)
+            chunk, members = np.array(members[:take]), members[take:]
+            lp = _round_up(int(end[chunk].max()), key_unit)
             nb = lp // page
-            q_index = torch.full((len(chunk), tq), n_tokens, dtype=torch.long)
-            row_pos = torch.zeros((len(chunk), tq), dtype=torch.long)
-            kv_blocks = torch.zeros((len(chunk), nb), dtype=torch.long)
-            for i, (first, n, end, blocks, _) in enumerate(chunk):
-                q_index[i, :n] = torch.arange(first, first + n)
-                row_pos[i, :n] = torch.arange(end - n, end)
-                used = min(len(blocks), nb)
-                kv_blocks[i, :used] = torch.tensor(blocks[:used], dtype=torch.long)
-            groups.append(AttnGroup(q_index.to(device), row_pos.to(device), kv_blocks.to(device), lp,
-                                    feeds=[sp[4] for sp in chunk], max_tokens=max(sp[1] for sp in chunk)))
-    return AttnBatch(n_tokens, torch.tensor(positions, dtype=torch.long, device=device),
-                     torch.tensor(cells, dtype=torch.long, device=device), groups)
+            col = np.arange(tq)
+            real = col[None, :] < n[chunk, None]
+            q_index = np.where(real, first[chunk, None] + col, n_tokens)
+            row_pos = np.where(real, start[chunk, None] + col, 0)
+            kv_blocks = np.zeros((len(chunk), nb), dtype=np.int64)
+            kv_blocks[:, :min(nb, table.shape[1])] = table[chunk, :nb]
+            groups.append(AttnGroup(torch.from_numpy(q_index).to(device), torch.from_numpy(row_pos).to(device),
+                                    torch.from_numpy(kv_blocks).to(device), lp, feeds=chunk.tolist(),
+                                    max_tokens=int(n[chunk].max())))
+    return AttnBatch(n_tokens, torch.from_numpy(positions).to(device), torch.from_numpy(cells).to(device), groups)
 
 
 def heads_major(cache: torch.Tensor) -> torch.Tensor:
