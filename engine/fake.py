@@ -573,6 +573,9 @@ class FakeRuntime(Runtime):
 
     # ------------------------------------------------------------ counters
 
+    def cell_bytes(self) -> int:
+        return self._bytes_per_cell
+
     def mem_counters(self) -> MemCounters:
         used = len(self._rc) * self._page
         return MemCounters(

@@ -213,5 +213,10 @@ class Runtime(abc.ABC):
     def is_eos(self, token: int) -> bool:
         return token in self.vocabulary().eos
 
+    def cell_bytes(self) -> int:
+        """Bytes one cell holds (what a cache entry of n cells costs)."""
+        m = self.mem_counters()
+        return m.allocated_bytes // m.cells_total if m.cells_total else 0
+
     def close(self) -> None:
         """Release what the runtime holds (memory, threads)."""

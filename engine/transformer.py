@@ -264,6 +264,9 @@ class TransformerRuntime(Runtime):
                            allocated_bytes=p.allocated_bytes + self.model.weight_bytes + mirrors,
                            seqs=len(self.seqs))
 
+    def cell_bytes(self) -> int:
+        return self.pool.bytes_per_block // self.pool.page
+
     def cells_released(self, seqs: Sequence[int]) -> int:
         states = [self._seq(s) for s in dict.fromkeys(seqs)]
         return self.pool.released_by(states) * self.pool.page

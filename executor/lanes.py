@@ -1,0 +1,48 @@
+"""Lanes: one request's stream inside the executor, named by its lane_tag."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from superfluid.abi.records import RingRef, SamplingParams
+
+
+@dataclasses.dataclass(slots=True)
+class PendingRow:
+    """A HOST lane's logits row waiting for the planner's commit."""
+
+    nonce: int
+    ref: RingRef
+
+
+@dataclasses.dataclass(slots=True)
+class Lane:
+    tag: int
+    seq: int  # the runtime sequence holding its cells
+    sampling: int  # SF_SAMPLING_*
+    params: SamplingParams
+    rng_base: int
+    prompt: list[int]
+    prefill_end: int  # prompt tokens prefill feeds; the rest (decode_replay) decode replays
+    prefilled: int = 0  # prompt tokens given to prefill so far
+    committed: list[int] = dataclasses.field(default_factory=list)  # prompt so far + sampled tokens
+    # Forward-once: the last committed token when it is not yet in the sequence
+    # (the sequence holds committed minus this one).
+    pending_input: int | None = None
+    pending_row: PendingRow | None = None
+    finished: bool = False
+    rng_counter: int = 0  # sampled and committed tokens: draw position = rng_base + rng_counter
+    bias: Any = None  # a registered logit bias
+    logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
+    granted_class: int = 0
+
+    @property
+    def position(self) -> int:
+        """The draw position of the lane's next sampled token."""
+        return (self.rng_base + self.rng_counter) & 0xFFFFFFFFFFFFFFFF
+
+    @property
+    def ingested(self) -> int:
+        """Tokens in the sequence (committed less the pending one)."""
+        return len(self.committed) - (self.pending_input is not None)

@@ -1,0 +1,184 @@
+"""Ops (SPEC §7): msgpack maps {op, op_id, ...} that change executor state
+between ticks. An op's failure is its completion's status; it never affects
+a tick. Seeds, grammars, strategies and entry export are later issues: their
+ops answer Unsupported, but releasing an unknown handle is still
+UnknownHandle."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+
+from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
+from superfluid.abi.records import OpCompletion, ShedEntry
+from superfluid.executor import sampling as hs
+
+
+class OpError(Exception):
+    def __init__(self, status: OpStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _op_kind(v: Any) -> OpKind:
+    if isinstance(v, str):
+        try:
+            return OpKind[v.upper()]
+        except KeyError:
+            raise OpError(OpStatus.UnknownOp, f"op {v!r} is not one of {', '.join(k.name for k in OpKind)}") from None
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            return OpKind(v)
+        except ValueError:
+            raise OpError(OpStatus.UnknownOp, f"op {v} is not an op code") from None
+    raise OpError(OpStatus.BadRequest, f"field 'op': expected a name or a code, got {type(v).__name__}")
+
+
+def _field(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in msg:
+        raise OpError(OpStatus.BadRequest, f"field {name!r} is missing")
+    v = msg[name]
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise OpError(OpStatus.BadRequest, f"field {name!r}: expected {kind}, got {type(v).__name__}")
+    return v
+
+
+def _handle(msg: dict) -> int:
+    h = _field(msg, "handle", int)
+    if h <= 0:
+        raise OpError(OpStatus.BadRequest, f"field 'handle': {h} is not a handle")
+    return h
+
+
+def decode_op(payload: bytes) -> dict:
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise OpError(OpStatus.BadRequest, f"not msgpack: {e}") from None
+    if not isinstance(msg, dict):
+        raise OpError(OpStatus.BadRequest, f"an op is a msgpack map, got {type(msg).__name__}")
+    return msg
+
+
+def run_op(ex, msg: dict | bytes) -> OpCompletion:
+    """Apply one op to the executor; its completion (never raises for bad input)."""
+    op_id, kind = 0, 0
+    try:
+        if not isinstance(msg, dict):
+            msg = decode_op(msg)
+        op_id = msg.get("op_id", 0)
+        if not isinstance(op_id, int) or isinstance(op_id, bool) or not 0 <= op_id < 1 << 64:
+            op_id = 0
+            raise OpError(OpStatus.BadRequest, "field 'op_id': expected an unsigned 64-bit integer")
+        kind = _op_kind(msg.get("op"))
+        handle, value, payload = _OPS[kind](ex, msg)
+        return OpCompletion(op_id=op_id, status=int(OpStatus.OK), op=int(kind), handle=handle, value=value,
+                            payload=payload)
+    except OpError as e:
+        return OpCompletion(op_id=op_id, status=int(e.status), op=int(kind),
+                            payload=msgpack.packb({"error": str(e)}))
+
+
+def _describe(ex, msg: dict) -> tuple[int, int, bytes]:
+    d = ex.desc
+    voc = ex.runtime.vocabulary()
+    body = {
+        "abi_version": ABI_VERSION, "worker_epoch": ex.epoch,
+        "runtime": {
+            "runtime_id": d.runtime_id, "vocab_size": d.vocab_size, "max_seq_len": d.max_seq_len,
+            "max_batch": d.max_batch, "max_seqs": d.max_seqs, "page": d.page,
+            "truncate_partial": d.truncate_partial, "copy_shares_cells": d.copy_shares_cells,
+            "takeover_preferred": d.takeover_preferred, "prefill_step_tokens": d.prefill_step_tokens,
+            "engine_sampling": d.engine_sampling, "engine_draws": d.engine_draws,
+            "verify_batches": d.verify_batches, "exact_only": d.exact_only,
+        },
+        "eos": sorted(voc.eos), "specials": dict(voc.specials),
+        "fault_injection": ex.fault_injection,
+    }
+    return 0, d.vocab_size, msgpack.packb(body)
+
+
+def _register_bias(ex, msg: dict) -> tuple[int, int, bytes]:
+    raw = _field(msg, "bias", (dict, list))
+    items = raw.items() if isinstance(raw, dict) else raw
+    ids, vals = [], []
+    for item in items:
+        try:
+            tid, val = item
+        except (TypeError, ValueError):
+            raise OpError(OpStatus.BadRequest, "field 'bias': entries are [token, value] pairs") from None
+        if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < ex.desc.vocab_size:
+            raise OpError(OpStatus.BadRequest, f"field 'bias': token {tid!r} is outside the vocabulary")
+        if not isinstance(val, (int, float)) or isinstance(val, bool) or math.isnan(val) or val == math.inf:
+            raise OpError(OpStatus.BadRequest, f"field 'bias': value {val!r} of token {tid} (finite, or -inf to ban)")
+        ids.append(tid)
+        vals.append(float(val))
+    if len(set(ids)) != len(ids):
+        raise OpError(OpStatus.BadRequest, "field 'bias': a token appears twice")
+    h = ex.next_handle
+    ex.next_handle += 1
+    ex.biases[h] = hs.as_bias_arrays(dict(zip(ids, vals)))  # arrays once, not per sampled token
+    return h, len(ids), b""
+
+
+def _release_bias(ex, msg: dict) -> tuple[int, int, bytes]:
+    h = _handle(msg)
+    if ex.biases.pop(h, None) is None:
+        raise OpError(OpStatus.UnknownHandle, f"no logit bias {h}")
+    return h, 0, b""
+
+
+def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
+    if not ex.fault_injection:
+        raise OpError(OpStatus.Refused, "fault injection is off (start the worker with --fault-injection)")
+    tag = _field(msg, "lane_tag", int)
+    code = msg.get("code", int(Fault.INJECTED))
+    if not isinstance(code, int) or code not in {int(f) for f in Fault}:
+        raise OpError(OpStatus.BadRequest, f"field 'code': {code!r} is not a fault code")
+    if tag not in ex.lanes:
+        raise OpError(OpStatus.NoMatch, f"no live lane {tag}")
+    ex.inject_fault[tag] = code
+    return 0, tag, b""
+
+
+def _cache_clear(ex, msg: dict) -> tuple[int, int, bytes]:
+    freed = 0
+    for e in ex.cache.lru():
+        ex.cache.remove(e.seq)
+        ex.runtime.seq_free(e.seq)
+        # Reported in the next tick's shed report, so the counters reconcile.
+        ex.pending_shed.append(ShedEntry(lane_tag=0, kind=int(ShedKind.CACHE_EVICTION),
+                                         reason=int(ShedReason.CLEARED), bytes=e.bytes, tokens=len(e.tokens)))
+        freed += e.bytes
+    return 0, freed, b""
+
+
+def _unsupported(what: str):
+    def run(ex, msg: dict) -> tuple[int, int, bytes]:
+        raise OpError(OpStatus.Unsupported, f"{what} are not supported by this executor yet")
+    return run
+
+
+def _release_unknown(what: str):
+    def run(ex, msg: dict) -> tuple[int, int, bytes]:
+        h = _handle(msg)
+        raise OpError(OpStatus.UnknownHandle, f"no {what} {h}")
+    return run
+
+
+_OPS = {
+    OpKind.DESCRIBE: _describe,
+    OpKind.REGISTER_LOGIT_BIAS: _register_bias,
+    OpKind.RELEASE_LOGIT_BIAS: _release_bias,
+    OpKind.INJECT_FAULT: _inject_fault,
+    OpKind.CACHE_CLEAR: _cache_clear,
+    OpKind.LEASE_SEED: _unsupported("seed leases"),
+    OpKind.RELEASE_SEED: _release_unknown("seed lease"),
+    OpKind.REGISTER_GRAMMAR: _unsupported("grammars"),
+    OpKind.RELEASE_GRAMMAR: _release_unknown("grammar"),
+    OpKind.INSTALL_STRATEGY: _unsupported("speculation strategies"),
+    OpKind.EXPORT_ENTRY: _unsupported("entry exports"),
+    OpKind.IMPORT_STATE: _unsupported("state imports"),
+}

@@ -1,0 +1,89 @@
+"""The data rings and planner flags as a tick sees them.
+
+`SegmentRings` is a worker's segment; `LocalRings` is the same C ring code
+over private memory, for the in-process Executor (tests, embedders): the
+same generation rules either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from superfluid.abi import RingId, ffi, lib
+from superfluid.abi.records import RingRef
+from superfluid.rings.data import DataRing
+
+
+class TickRings:
+    """What a tick reads and writes besides the plan."""
+
+    prompt: DataRing
+    tokens: DataRing
+    logits: DataRing
+
+    def read_prompt(self, ref: RingRef) -> np.ndarray:
+        """The prompt's tokens; RefError (with its status) when the reference
+        is not good or names another ring."""
+        return self.prompt.read(ref)
+
+    def write_tokens(self, tokens) -> RingRef:
+        return self.tokens.write(tokens)
+
+    def write_logits(self, row: np.ndarray) -> RingRef:
+        return self.logits.write(row)
+
+    def yield_requested(self) -> bool:
+        return False
+
+    def latency_wanted(self) -> bool:
+        return False
+
+
+class SegmentRings(TickRings):
+    def __init__(self, segment):
+        self.segment = segment
+        self.prompt = segment.prompt_ring
+        self.tokens = segment.token_ring
+        self.logits = segment.logits_ring
+        h = segment.header
+        self._yield = ffi.addressof(h, "yield_requested")
+        self._latency = ffi.addressof(h, "latency_wanted")
+
+    def yield_requested(self) -> bool:
+        return bool(lib.sf_load_acquire_u32(self._yield))
+
+    def latency_wanted(self) -> bool:
+        return bool(lib.sf_load_acquire_u32(self._latency))
+
+
+class _Memory:
+    """Owner of private ring memory (what DataRing asks of a segment)."""
+
+    closed = False
+
+    def __init__(self, nbytes: int):
+        self.buf = bytearray(nbytes)
+        self.base = ffi.from_buffer(self.buf)
+
+
+def _local_ring(ring_id: RingId, capacity: int) -> DataRing:
+    mem = _Memory(lib.sf_ring_bytes(capacity))
+    lib.sf_ring_init(mem.base, int(ring_id), capacity)
+    return DataRing(mem, mem.base, len(mem.buf))  # the ring holds mem: its memory lives as long
+
+
+class LocalRings(TickRings):
+    """Rings in this process's memory; the flags are plain attributes."""
+
+    def __init__(self, prompt_tokens: int = 1 << 20, emit_tokens: int = 1 << 20, logits_floats: int = 1 << 22):
+        self.prompt = _local_ring(RingId.PROMPT, prompt_tokens)
+        self.tokens = _local_ring(RingId.TOKENS, emit_tokens)
+        self.logits = _local_ring(RingId.LOGITS, logits_floats)
+        self.yield_flag = False
+        self.latency_flag = False
+
+    def yield_requested(self) -> bool:
+        return self.yield_flag
+
+    def latency_wanted(self) -> bool:
+        return self.latency_flag
