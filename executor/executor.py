@@ -21,6 +21,8 @@ import numpy as np
 
 from superfluid.abi import (
     CacheClass,
+    codec,
+    ffi,
     Determinism,
     Fault,
     Finish,
@@ -69,6 +71,8 @@ CHECKPOINT_MIN_TOKENS = 128
 LATENCY_STEP_SECS = 0.3
 LATENCY_STEP_UNIT = 128
 EXIT_FATAL = 70
+_SIZE = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
+                                     "LaneLogprob", "OpCompletion")}
 
 
 class ExecutorFatal(Exception):
@@ -150,6 +154,8 @@ class Executor:
         self.partial_sink: Callable[[int, int, int, int], None] | None = None
         self.tokens_emitted = 0
         self.rejects = 0
+        self.last_fault: tuple[int, int] | None = None  # (lane, code) of the newest LaneFault
+        self.event_capacity: int | None = None  # bytes an events message may take (the event slot)
 
     # ------------------------------------------------------------ helpers
 
@@ -246,7 +252,27 @@ class Executor:
         decode_rounds = self._check_decodes(plan, prompts, reached)
         self._check_retires(plan)
         evict = self._check_memory(plan, prompts, reached, decode_rounds)
+        self._check_events_fit(plan)
         return Verdict(plan, prompts, evict)
+
+    def _check_events_fit(self, plan: TickPlan) -> None:
+        """An applied plan cannot be taken back, so its events must fit their
+        slot: bound them from above before anything moves."""
+        if self.event_capacity is None:
+            return
+        size = codec.MSG_HEADER_BYTES + _SIZE["TickEvents"] + 512  # + the reject message, alignment
+        size += len(plan.admits) * _SIZE["AdmitResult"]
+        size += len(plan.decodes) * _SIZE["LaneEmit"]
+        size += (len(plan.decodes) + len(plan.prefills) + len(plan.admits)) * _SIZE["LaneFault"]
+        sheds = 2 * len(plan.prefills) + len(plan.retires) + len(self.cache) + len(self.pending_shed)
+        size += sheds * _SIZE["ShedEntry"]
+        wants = {a.lane_tag for a in plan.admits if a.want_logprobs}
+        wants |= {t for t, ln in self.lanes.items() if ln.logprobs_top is not None}
+        size += sum(d.max_new_tokens for d in plan.decodes if d.lane_tag in wants) * _SIZE["LaneLogprob"]
+        size += sum(_SIZE["OpCompletion"] + len(c.payload) + 8 for c in self.completions)
+        if size > self.event_capacity:
+            raise _reject(Status.RejectBudget, "TickPlan.decodes",
+                          f"its events could take {size} bytes, the event slot holds {self.event_capacity}")
 
     def _check_admits(self, plan: TickPlan) -> dict[int, list[int]]:
         desc = self.desc
@@ -527,6 +553,7 @@ class _Tick:
             return
         self.faulted_now.add(tag)
         self.faults.append(LaneFaultRecord(lane_tag=tag, code=int(code), detail=detail))
+        self.ex.last_fault = (tag, int(code))
         lane = self.ex.lanes.pop(tag, None)
         if lane is not None:
             try:

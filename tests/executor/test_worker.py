@@ -1,0 +1,143 @@
+"""The worker loop over a real segment, in a second process: plans in,
+events out, ops between ticks, partial emits on the stream queue, a stop
+request, and a fatal runtime error exiting 70."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import msgpack
+import pytest
+
+from superfluid.abi import MsgKind, OpStatus, PlanFlag, Status, WorkerState, codec
+from superfluid.client import PlanBuilder
+from superfluid.engine.plan import decode_events
+from superfluid.rings.segment import Segment, SegmentConfig
+
+FORK = mp.get_context("fork")
+CFG = SegmentConfig(plan_slots=4, plan_slot_bytes=16384, event_slots=4, event_slot_bytes=65536, op_slots=8,
+                    op_slot_bytes=4096, stream_slots=64, stream_slot_bytes=64, prompt_tokens=4096, emit_tokens=4096,
+                    logits_floats=1 << 14)
+
+
+def _serve(name: str, epoch: int, fatal_after: int | None, fault_injection: bool) -> None:
+    from superfluid.engine.fake import FakeRuntime
+    from superfluid.executor import Executor, SegmentRings
+    from superfluid.executor.worker import Worker
+
+    seg = Segment.open(name, 0)
+    rt = FakeRuntime(vocab_size=64, max_seq_len=128, page=4, engine_sampling=True)
+    if fatal_after is not None:
+        rt.inject_fatal(on="step", times=1)
+    ex = Executor(rt, SegmentRings(seg), epoch=epoch, fatal_exit=True, fault_injection=fault_injection)
+    raise SystemExit(Worker(seg, ex, epoch=epoch).run())
+
+
+@pytest.fixture
+def worker(seg_name):
+    procs = []
+
+    def start(*, fatal_after=None, fault_injection=False):
+        seg = Segment.create(seg_name, 0, CFG)
+        epoch = seg.bump_epoch()
+        p = FORK.Process(target=_serve, args=(seg_name, epoch, fatal_after, fault_injection))
+        p.start()
+        procs.append((p, seg))
+        from superfluid.executor.worker import wait_ready
+
+        wait_ready(seg, epoch, 30)
+        return seg, epoch, p
+
+    yield start
+    for p, seg in procs:
+        if p.is_alive():
+            seg.request_stop()
+            p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        seg.close()
+        seg.unlink()
+
+
+def _events(seg, epoch):
+    slot = seg.event_queue.peek(10, epoch=epoch)
+    try:
+        kind, _, _ = codec.read_header(slot)
+        return kind, codec.decode(slot, "TickEvents" if kind == MsgKind.EVENTS else "OpEvents")
+    finally:
+        seg.event_queue.release()
+
+
+def test_plans_in_events_out(worker):
+    seg, epoch, _ = worker()
+    prompt = seg.prompt_ring.write([1, 2, 3, 4, 5])
+    PlanBuilder(1, prefill_token_budget=64).admit(9, prompt).prefill(9, 0, 5).decode(9, 4).encode_into(
+        seg.plan_queue.reserve(5))
+    seg.plan_queue.publish()
+    kind, ev = _events(seg, epoch)
+    assert kind == MsgKind.EVENTS and ev.status == Status.OK and ev.worker_epoch == epoch
+    (emit,) = ev.emits
+    assert emit.lane_tag == 9 and emit.n_tokens == 4 and len(seg.token_ring.read(emit.token_ref)) == 4
+    # a reject comes back as events too, naming the field
+    PlanBuilder(1).decode(9, 1).encode_into(seg.plan_queue.reserve(5))
+    seg.plan_queue.publish()
+    _, ev = _events(seg, epoch)
+    assert ev.status == Status.RejectIllegalCombination and ev.message.startswith(b"TickPlan.plan_seq")
+    assert seg.counters.ticks == 1 and seg.counters.rejects == 1 and seg.counters.live_lanes == 1
+
+
+def test_an_undecodable_plan_is_answered(worker):
+    seg, epoch, _ = worker()
+    raw = bytearray(PlanBuilder(33).decode(1).decode(1).encode())
+    slot = seg.plan_queue.reserve(5)
+    slot[:len(raw)] = raw
+    seg.plan_queue.publish()
+    _, ev = _events(seg, epoch)
+    assert ev.plan_seq == 33 and ev.status == Status.RejectIllegalCombination
+
+
+def test_ops_between_ticks_complete_at_once(worker):
+    seg, epoch, _ = worker()
+    seg.op_queue.send_bytes(MsgKind.OP, msgpack.packb({"op": "DESCRIBE", "op_id": 77}))
+    kind, ev = _events(seg, epoch)
+    assert kind == MsgKind.OP_EVENTS
+    (done,) = ev.op_completions
+    assert done.op_id == 77 and done.status == OpStatus.OK
+    assert msgpack.unpackb(done.payload)["runtime"]["vocab_size"] == 64
+    seg.op_queue.send_bytes(MsgKind.OP, b"\xc1")  # never valid msgpack
+    _, ev = _events(seg, epoch)
+    assert ev.op_completions[0].status == OpStatus.BadRequest
+
+
+def test_partial_emits_stream(worker):
+    seg, epoch, _ = worker()
+    prompt = seg.prompt_ring.write([3, 4])
+    PlanBuilder(1, flags=PlanFlag.PARTIAL_EMITS, prefill_token_budget=8).admit(5, prompt).prefill(5, 0, 2).decode(
+        5, 3).encode_into(seg.plan_queue.reserve(5))
+    seg.plan_queue.publish()
+    _, ev = _events(seg, epoch)
+    streamed = []
+    while (slot := seg.stream_queue.try_peek()) is not None:
+        streamed.append(codec.decode(slot, "PartialEmit"))
+        seg.stream_queue.release()
+    tokens = seg.token_ring.read(ev.emits[0].token_ref).tolist()
+    assert [p.token_id for p in streamed] == tokens and [p.index for p in streamed] == [0, 1, 2]
+    assert all(p.plan_seq == 1 and p.lane_tag == 5 for p in streamed)
+
+
+def test_stop_request(worker):
+    seg, epoch, proc = worker()
+    seg.request_stop()
+    proc.join(10)
+    assert proc.exitcode == 0 and seg.worker_state == WorkerState.STOPPED
+
+
+def test_a_fatal_runtime_error_exits_70(worker):
+    seg, epoch, proc = worker(fatal_after=0)
+    prompt = seg.prompt_ring.write([1, 2])
+    PlanBuilder(1, prefill_token_budget=8).admit(4, prompt).prefill(4, 0, 2).decode(4, 1).encode_into(
+        seg.plan_queue.reserve(5))
+    seg.plan_queue.publish()
+    proc.join(20)
+    assert proc.exitcode == 70
