@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -116,10 +116,10 @@ class Feed:
     wants_row: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class SampleSpec:
+class SampleSpec(NamedTuple):
     """On-device sampling of a feed's row (step_sampled). temperature <= 0 is
-    greedy; the draw is a pure function of (row, these params, rng_position)."""
+    greedy; the draw is a pure function of (row, these params, rng_position).
+    (A named tuple: one is made per lane per decode round.)"""
 
     temperature: float = 0.0
     top_k: int = 0

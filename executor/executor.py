@@ -71,6 +71,10 @@ CHECKPOINT_MIN_TOKENS = 128
 LATENCY_STEP_SECS = 0.3
 LATENCY_STEP_UNIT = 128
 EXIT_FATAL = 70
+# Plain ints for the per-round loop: IntEnum arithmetic costs a Python call each time.
+_GREEDY, _HOST = int(Sampling.GPU_GREEDY), int(Sampling.HOST)
+_IGNORE_EOS = int(ParamFlag.IGNORE_EOS)
+_GREEDY_SPEC = SampleSpec()
 _SIZE = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
                                      "LaneLogprob", "OpCompletion")}
 
@@ -667,11 +671,17 @@ class _Tick:
                 raise ex._fatal("creating a sequence the check made room for", e) from e
             prompt = prompts[a.lane_tag]
             bias = ex.biases.get(a.logit_bias_handle) if a.logit_bias_handle else None
-            ex.lanes[a.lane_tag] = Lane(
+            lane = Lane(
                 tag=a.lane_tag, seq=seq, sampling=a.sampling, params=a.params, rng_base=a.rng_counter_base,
                 prompt=prompt, prefill_end=len(prompt) - a.decode_replay, bias=bias,
                 logprobs_top=(a.want_logprobs - 1) if a.want_logprobs else None,
                 granted_class=int(Determinism.SEED_PATH_INVARIANT))
+            lane.greedy = a.sampling == _GREEDY or a.params.temperature <= 0
+            lane.ignore_eos = bool(a.params.flags & _IGNORE_EOS)
+            desc = ex.desc
+            lane.engine_ok = (desc.engine_sampling and a.sampling != _HOST and (lane.greedy or desc.engine_draws)
+                              and bias is None and not hs.penalizes(a.params) and lane.logprobs_top is None)
+            ex.lanes[a.lane_tag] = lane
             self.admit_results.append(AdmitResult(lane_tag=a.lane_tag, status=1, reject_code=0, cert_id=0,
                                                   granted_class=int(Determinism.SEED_PATH_INVARIANT)))
 
@@ -791,15 +801,15 @@ class _Tick:
 
     # ----------------------------------------------------------- decode
 
-    def _engine_spec(self, lane: Lane) -> SampleSpec | None:
+    @staticmethod
+    def _engine_spec(lane: Lane) -> SampleSpec | None:
         """The device sampling spec of a lane, or None when the host samples it."""
-        desc = self.ex.desc
-        p = lane.params
-        greedy = lane.sampling == Sampling.GPU_GREEDY or p.temperature <= 0
-        if (not desc.engine_sampling or lane.sampling == Sampling.HOST or (not greedy and not desc.engine_draws)
-                or lane.bias is not None or hs.penalizes(p) or lane.logprobs_top is not None):
+        if not lane.engine_ok:
             return None
-        return SampleSpec(0.0 if greedy else p.temperature, p.top_k, p.top_p, p.min_p, lane.position)
+        p = lane.params
+        if lane.greedy:
+            return _GREEDY_SPEC
+        return SampleSpec(p.temperature, p.top_k, p.top_p, p.min_p, lane.position)
 
     def decode(self) -> None:
         ex, plan = self.ex, self.plan
@@ -884,6 +894,8 @@ class _Tick:
     def _rounds(self, round_: list[tuple[int, int]], remaining: dict[int, int]) -> None:
         ex, rt = self.ex, self.rt
         desc = ex.desc
+        eos = rt.vocabulary().eos
+        max_len = desc.max_seq_len
         picked: dict[int, int] = {}
         while True:
             for i in range(0, len(round_), max(1, desc.max_batch)):
@@ -919,7 +931,7 @@ class _Tick:
                     self.rows.pop(tag, None)
                     picked.pop(tag, None)
                     continue
-                if len(lane.committed) >= desc.max_seq_len:
+                if len(lane.committed) >= max_len:
                     self.rows.pop(tag, None)
                     picked.pop(tag, None)
                     self._finish(lane, Finish.LENGTH, remaining)
@@ -928,7 +940,7 @@ class _Tick:
                     token = int(picked.pop(tag))
                 else:
                     row = self.rows.pop(tag)
-                    if lane.sampling == Sampling.HOST:
+                    if lane.sampling == _HOST:
                         lane.pending_row = PendingRow(ex._fresh_nonce(), ex.rings.write_logits(row))
                         remaining.pop(tag, None)
                         continue
@@ -941,9 +953,9 @@ class _Tick:
                 out.append(token)
                 remaining[tag] -= 1
                 lane.pending_input = token
-                if not lane.params.flags & ParamFlag.IGNORE_EOS and rt.is_eos(token):
+                if token in eos and not lane.ignore_eos:
                     self._finish(lane, Finish.EOS, remaining)
-                elif len(lane.committed) >= desc.max_seq_len:
+                elif len(lane.committed) >= max_len:
                     self._finish(lane, Finish.LENGTH, remaining)
                 elif remaining[tag] == 0:
                     remaining.pop(tag)

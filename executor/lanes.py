@@ -36,6 +36,10 @@ class Lane:
     bias: Any = None  # a registered logit bias
     logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
     granted_class: int = 0
+    # Fixed for the lane's life, worked out once at admission (the decode loop reads them every round).
+    greedy: bool = False
+    ignore_eos: bool = False
+    engine_ok: bool = False  # the engine may sample it (no host-only step applies)
 
     @property
     def position(self) -> int:

@@ -12,6 +12,7 @@ import importlib
 BENCHES: tuple[str, ...] = (
     "superfluid.bench.ring",
     "superfluid.bench.engine",
+    "superfluid.bench.tick",
 )
 
 
