@@ -1,0 +1,92 @@
+"""A worker process: open its segment, load the runtime, serve plans.
+
+    python -m superfluid.daemon.worker --segment PATH --epoch N [--model DIR | --fake]
+        [--backend torch|triton] [--fault-injection] [--kv-cells N] [--page N] [--max-batch N] ...
+
+The daemon starts one per segment and restarts it when it dies. Exit codes:
+0 stopped or replaced, 70 the runtime failed fatally (state unknown), 2 bad
+arguments or a segment it cannot open, 3 the model would not load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+EXIT_BAD_ARGS = 2
+EXIT_LOAD = 3
+
+
+def build_runtime(args: argparse.Namespace):
+    """The runtime a worker serves: a checkpoint, the embedded tiny model, or the fake."""
+    if args.fake:
+        from superfluid.engine.fake import FakeRuntime
+
+        return FakeRuntime(vocab_size=args.fake_vocab, max_seq_len=args.max_seq_len or 4096,
+                           max_batch=args.max_batch, max_seqs=args.max_seqs, page=args.page,
+                           cells_total=args.kv_cells, engine_sampling=True, engine_draws=True,
+                           prefill_step_tokens=args.prefill_step_tokens, step_cost=args.fake_step_cost)
+    from superfluid.engine import load
+    from superfluid.engine.tiny import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    return load(model, args.backend, kv_cells=args.kv_cells or 16384, page=args.page, max_batch=args.max_batch,
+                max_seqs=args.max_seqs, prefill_step_tokens=args.prefill_step_tokens,
+                max_seq_len=args.max_seq_len or None)
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Options that size the runtime (shared with `superfluid serve`)."""
+    p.add_argument("--model", help="checkpoint directory (config.json + safetensors); default: the embedded tiny model")
+    p.add_argument("--backend", choices=("torch", "triton"), default="torch")
+    p.add_argument("--fake", action="store_true", help="serve the deterministic fake runtime (tests, benchmarks)")
+    p.add_argument("--fake-vocab", type=int, default=512, help=argparse.SUPPRESS)
+    p.add_argument("--fake-step-cost", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--kv-cells", type=int, default=0, help="KV cells in the pool (default 16384; fake: unlimited)")
+    p.add_argument("--page", type=int, default=16, help="cells per KV block (default 16)")
+    p.add_argument("--max-batch", type=int, default=64, help="lanes per step (default 64)")
+    p.add_argument("--max-seqs", type=int, default=0, help="sequences at once, 0 = unbounded")
+    p.add_argument("--max-seq-len", type=int, default=0, help="cap on cells per sequence (default: the model's)")
+    p.add_argument("--prefill-step-tokens", type=int, default=512, help="tokens per prefill step (default 512)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="superfluid-worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--segment", required=True, help="path of this worker's segment")
+    p.add_argument("--epoch", type=int, required=True, help="the epoch the daemon gave this worker")
+    p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT")
+    add_runtime_args(p)
+    args = p.parse_args(argv)
+    # The daemon handles signals for the pool; a worker stops when its segment says so.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    from superfluid.executor import Executor, SegmentRings
+    from superfluid.executor.worker import Worker
+    from superfluid.rings.errors import SegmentError
+    from superfluid.rings.segment import Segment
+
+    try:
+        seg = Segment.open_path(args.segment)
+    except SegmentError as e:
+        print(f"superfluid worker: {e}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    if seg.epoch != args.epoch:
+        print(f"superfluid worker: segment epoch is {seg.epoch}, this worker was started for {args.epoch}; leaving",
+              file=sys.stderr)
+        return 0
+    seg.header.worker_pid = os.getpid()
+    try:
+        runtime = build_runtime(args)
+    except Exception as e:  # any load failure: the daemon logs it and counts it as a crash
+        print(f"superfluid worker: cannot load the runtime: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_LOAD
+    ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
+                  fault_injection=args.fault_injection)
+    return Worker(seg, ex, epoch=args.epoch).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
