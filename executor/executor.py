@@ -48,7 +48,7 @@ from superfluid.abi.records import (
     TickPlan,
     TickTimings,
 )
-from superfluid.engine.plan import PlanReject, decode_plan, plan_seq_of
+from superfluid.engine.plan import PlanReject, check_plan, decode_plan, plan_seq_of
 from superfluid.engine.runtime import (
     CapacityError,
     FatalError,
@@ -199,7 +199,9 @@ class Executor:
         if self.dead:
             return self._refused(seq, Status.Fatal, "executor", self.dead)
         try:
-            if not isinstance(plan, TickPlan):
+            if isinstance(plan, TickPlan):
+                check_plan(plan)  # the record-level checks decode_plan runs on bytes
+            else:
                 plan = decode_plan(plan)
             verdict = self.check(plan)
         except PlanReject as r:
@@ -560,15 +562,20 @@ class _Tick:
         self.ex.last_fault = (tag, int(code))
         lane = self.ex.lanes.pop(tag, None)
         if lane is not None:
-            try:
-                self.rt.seq_free(lane.seq)
-            except FatalError as e:
-                raise self.ex._fatal("freeing a faulted lane", e) from e
-            except RuntimeFailure:
-                pass  # the runtime no longer knows it: nothing to free
+            self.free(lane.seq, "freeing a faulted lane")
             self.ex.faulted.add(tag)
         self.ex.inject_fault.pop(tag, None)
         self.rows.pop(tag, None)
+
+    def free(self, seq: int, during: str) -> None:
+        """Free a sequence; only a fatal error matters (any other means the
+        runtime holds nothing more of it that we could free)."""
+        try:
+            self.rt.seq_free(seq)
+        except FatalError as e:
+            raise self.ex._fatal(during, e) from e
+        except RuntimeFailure:
+            pass
 
     def step(self, feeds: list[Feed], tags: list[int], during: str) -> list[np.ndarray] | None:
         """One runtime step; on a lane error its lanes fault and None returns."""
@@ -586,12 +593,7 @@ class _Tick:
 
     def evict(self, e: CacheEntry, reason: int) -> None:
         self.ex.cache.remove(e.seq)
-        try:
-            self.rt.seq_free(e.seq)
-        except FatalError as err:
-            raise self.ex._fatal("evicting a cache entry", err) from err
-        except RuntimeFailure:
-            pass
+        self.free(e.seq, "evicting a cache entry")
         self.shed.append(ShedEntry(lane_tag=0, kind=int(ShedKind.CACHE_EVICTION), reason=int(reason),
                                    bytes=e.bytes, tokens=len(e.tokens)))
         self.evictions += 1
@@ -648,10 +650,7 @@ class _Tick:
             ex.inject_fault.pop(r.lane_tag, None)
             if r.publish_to_cache and self.publish(lane):
                 continue
-            try:
-                self.rt.seq_free(lane.seq)
-            except FatalError as e:
-                raise ex._fatal("a retire", e) from e
+            self.free(lane.seq, "a retire")
 
     def commits(self) -> None:
         for c in self.plan.commits:
@@ -795,7 +794,7 @@ class _Tick:
         try:
             self.rt.seq_copy(lane.seq, dst, n)
         except RuntimeFailure:
-            self.rt.seq_free(dst)
+            self.free(dst, "a failed checkpoint")
             return
         ex.cache.insert(dst, key, n, ex._entry_bytes(n), ex.tick_count)
 

@@ -81,6 +81,7 @@ class Worker:
         else:
             self.seg.plan_queue.release()  # decoded: the planner may queue the next plan now
             res = self.ex.tick(plan)
+        self._counters()  # before the events go out: a planner that sees them sees the counters too
         slot = self.seg.event_queue.reserve(None, epoch=self.epoch, watch_stop=True)
         encode_events_into(slot, res.events)
         self.seg.event_queue.publish()
@@ -106,7 +107,6 @@ class Worker:
                     continue
                 self._drain_ops()
                 self._tick(slot)
-                self._counters()
         except StopRequested:
             self._counters()
             seg.set_worker_state(WorkerState.STOPPED)

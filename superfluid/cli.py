@@ -16,6 +16,8 @@ import superfluid
 
 COMMANDS: tuple[str, ...] = (
     "superfluid.bench",
+    "superfluid.daemon.serve",
+    "superfluid.daemon.status",
 )
 
 

@@ -1,0 +1,131 @@
+"""`superfluid serve`: run the daemon in the foreground.
+
+    superfluid serve [--model DIR | --fake] [--backend torch|triton] [--workers N] [--name NAME]
+        [--kv-cells N] [--page N] [--max-batch N] ... [--fault-injection]
+        [--restart-backoff S] [--restart-backoff-max S] [--crash-loop N/WINDOW] [--stop-timeout S]
+        [--metrics-port PORT]
+
+Creates a segment per worker (/dev/shm/superfluid.NAME.<i>, or under
+$SUPERFLUID_SHM_DIR), starts the workers, restarts one that dies (after a
+backoff doubling from --restart-backoff), gives up on one that fails
+--crash-loop times within the window. SIGTERM or SIGINT: stop the workers,
+remove the segments, exit 0. SIGHUP: retry the workers that gave up.
+Exits 1 when every worker gave up, 2 on bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from superfluid.daemon.status import DEFAULT_NAME
+from superfluid.daemon.worker import add_runtime_args
+
+log = logging.getLogger("superfluid.daemon")
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s}: must be >= 1")
+    return v
+
+
+def _seconds(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{s}: must be a number of seconds >= 0")
+    return v
+
+
+def parse_crash_loop(s: str) -> tuple[int, float]:
+    """'5/60' -> (5, 60.0): give up after 5 failures within 60 s."""
+    try:
+        n, window = s.split("/")
+        out = int(n), float(window)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected FAILURES/SECONDS, e.g. 5/60") from None
+    if out[0] < 1 or not out[1] > 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: needs at least 1 failure in a positive window")
+    return out
+
+
+def runtime_argv(args: argparse.Namespace) -> list[str]:
+    """The worker options (add_runtime_args) that differ from their defaults."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_runtime_args(p)
+    out: list[str] = []
+    for a in p._actions:
+        v = getattr(args, a.dest, a.default)
+        if v is None or v == a.default:
+            continue
+        opt = max(a.option_strings, key=len)
+        out += [opt] if isinstance(a, argparse._StoreTrueAction) else [opt, str(v)]
+    return out
+
+
+def _vocab_of(model: str) -> int:
+    """The checkpoint's vocabulary, to size the logits ring; 0 when it
+    cannot be read (the workers then fail to load it and say why)."""
+    from superfluid.engine.config import load_config
+
+    try:
+        return load_config(model).vocab_size
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError; the workers will report why
+        log.warning("cannot read the model's config in %s (%s); sizing the logits ring by default", model, e)
+        return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from superfluid.daemon.supervisor import Daemon, segment_config_for
+    from superfluid.rings.errors import SegmentError
+
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+                        format="%(asctime)s superfluid[%(process)d] %(levelname)s %(message)s")
+    if args.fake:
+        if args.model:
+            print("superfluid serve: --fake and --model exclude each other", file=sys.stderr)
+            return 2
+        vocab = args.fake_vocab
+    else:
+        if args.model is None:
+            from superfluid.engine.tiny import default_model_dir
+
+            args.model = str(default_model_dir())
+        if not os.path.isdir(args.model):
+            print(f"superfluid serve: --model {args.model}: no such directory", file=sys.stderr)
+            return 2
+        args.model = os.path.abspath(args.model)  # the workers get the very same checkpoint
+        vocab = _vocab_of(args.model)
+    try:
+        daemon = Daemon(
+            args.name, runtime_argv(args), workers=args.workers,
+            segment_config=segment_config_for(vocab, args.max_batch), fault_injection=args.fault_injection,
+            restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
+            crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port)
+        daemon.start()
+    except (SegmentError, ValueError, OSError) as e:
+        print(f"superfluid serve: {e}", file=sys.stderr)
+        return 1
+    return daemon.serve_forever()
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the daemon: segments, workers, restarts", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(p)
+    p.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default 1)")
+    p.add_argument("--name", default=DEFAULT_NAME, help=f"the daemon's name, in segment names (default {DEFAULT_NAME!r})")
+    p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT (tests)")
+    p.add_argument("--restart-backoff", type=_seconds, default=1.0,
+                   help="seconds before restarting a dead worker, doubled per recent failure (default 1)")
+    p.add_argument("--restart-backoff-max", type=_seconds, default=30.0, help="cap on that backoff (default 30)")
+    p.add_argument("--crash-loop", type=parse_crash_loop, default=(5, 60.0), metavar="N/WINDOW",
+                   help="give up on a worker after N failures within WINDOW seconds (default 5/60)")
+    p.add_argument("--stop-timeout", type=_seconds, default=10.0,
+                   help="seconds workers get to stop before SIGKILL (default 10)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.set_defaults(func=main)

@@ -1,0 +1,584 @@
+"""The daemon: one segment and one worker process per index, restarted when
+it dies (SPEC §1, §9, §10).
+
+A single thread runs everything from one `selectors` loop over:
+- a pidfd per worker process (readable when it exits: a process sentinel,
+  no polling, no SIGCHLD races);
+- a self-pipe that `signal.set_wakeup_fd` writes SIGTERM/SIGINT/SIGHUP
+  numbers into, and `Daemon.stop()` writes a 0 into from any thread.
+Timers (restart backoffs, readiness checks while a worker is STARTING) are
+the select timeout.
+
+When a worker ends while the daemon serves: log how (exit code or signal)
+and why, mark its segment DEAD with the exit status, put a WorkerNotice on
+its event queue, then after an exponential backoff bump the epoch and start
+a fresh worker. A worker that fails N times within a window is given up on
+(GAVE_UP). On SIGTERM/SIGINT: ask every worker to stop, SIGKILL those that
+do not within the timeout, unlink every segment, exit 0.
+
+Workers get PR_SET_PDEATHSIG=SIGKILL, so none outlives a SIGKILLed daemon.
+That signal follows the *thread* that forked the worker: run start() and
+serve_forever() on a thread that lives until the daemon is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import errno
+import http.server
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from superfluid.abi import WorkerState, codec, ffi
+from superfluid.abi.records import WorkerNotice
+from superfluid.rings.errors import SegmentError
+from superfluid.rings.segment import Segment, SegmentConfig, segment_path
+
+from .status import pid_alive, prometheus_text, segment_paths, worker_snapshot
+
+log = logging.getLogger("superfluid.daemon")
+
+# Worker exit codes (daemon/worker.py) and what they mean.
+EXIT_REASONS = {
+    0: "it left though not asked to stop",
+    2: "bad arguments, or a segment it cannot open",
+    3: "the model would not load",
+    70: "the runtime failed fatally",
+}
+EXIT_SPAWN_FAILED = 127  # the worker process could not be started at all
+READY_CHECK_S = 0.05  # how often a STARTING worker's state is looked at
+KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
+
+_PR_SET_PDEATHSIG = 1
+_COUNTERS_BYTES = ffi.sizeof("WorkerCounters")
+
+
+def short_exit(status: int) -> str:
+    """'exit 3' or 'killed by signal 9'."""
+    return f"killed by signal {-status}" if status < 0 else f"exit {status}"
+
+
+def describe_exit(status: int) -> str:
+    """short_exit plus why: 'exit 3 (the model would not load)', 'killed by signal 9 (SIGKILL)'."""
+    if status < 0:
+        try:
+            why = signal.Signals(-status).name
+        except ValueError:
+            return short_exit(status)
+    else:
+        why = EXIT_REASONS.get(status, "")
+    return f"{short_exit(status)} ({why})" if why else short_exit(status)
+
+
+def restart_delay(failures: int, base: float, cap: float) -> float:
+    """Backoff before the next start after `failures` recent failures (>= 1):
+    base, 2 base, 4 base, ... capped. Failures older than the crash-loop
+    window no longer count, so a worker that ran well starts again at base."""
+    return min(base * 2 ** max(0, failures - 1), cap)
+
+
+def segment_config_for(vocab_size: int, max_batch: int, base: SegmentConfig | None = None) -> SegmentConfig:
+    """`base` (default sizes) with a logits ring of at least two steps of
+    `max_batch` rows, so a tick's rows never overwrite the last tick's
+    before the planner has read them."""
+    base = base or SegmentConfig()
+    need = 2 * max(1, max_batch) * max(0, vocab_size)
+    return dataclasses.replace(base, logits_floats=max(base.logits_floats, need))
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # prctl's arguments are unsigned longs: without argtypes ctypes would pass
+    # C ints, leaving the registers' upper halves undefined.
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_prctl = _load_prctl()  # resolved in the parent: the child after fork only calls it
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn that makes the child die when `parent` does."""
+    prctl = _prctl
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the daemon died before prctl took effect: nobody will signal us
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    seg: Segment
+    proc: subprocess.Popen[bytes] | None = None
+    pidfd: int = -1
+    epoch: int = 0
+    started: float = 0.0  # monotonic time of the last start
+    ready: bool = False
+    restart_at: float | None = None  # monotonic time of a pending restart
+    failures: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
+    gave_up: bool = False
+
+
+class Daemon:
+    """Supervises `workers` worker processes, each on its own segment
+    `superfluid.<name>.<i>`.
+
+    `worker_args`: the runtime options every worker gets (e.g. ["--fake"] or
+    ["--model", DIR, "--backend", "torch"]); see worker_command() to vary
+    them per worker. `crash_loop`: (failures, window seconds) after which a
+    worker is given up on. In-process use: `d.start()` then `d.serve_forever()`
+    (blocks; returns the exit status) and `d.stop()` from anywhere."""
+
+    def __init__(self, name: str = "superfluid", worker_args: Sequence[str] = ("--fake",), *, workers: int = 1,
+                 segment_config: SegmentConfig | None = None, fault_injection: bool = False,
+                 restart_backoff: float = 1.0, restart_backoff_max: float = 30.0,
+                 crash_loop: tuple[int, float] = (5, 60.0), stop_timeout: float = 10.0,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 handle_signals: bool = True, python: str = sys.executable,
+                 env: Mapping[str, str] | None = None):
+        segment_path(name, max(0, workers - 1))  # a bad name or count fails here, before anything is made
+        if workers < 1:
+            raise ValueError(f"workers = {workers}: must be >= 1")
+        if crash_loop[0] < 1 or crash_loop[1] <= 0:
+            raise ValueError(f"crash_loop = {crash_loop}: needs >= 1 failure in a positive window")
+        if restart_backoff < 0 or restart_backoff_max < 0 or stop_timeout < 0:
+            raise ValueError("restart_backoff, restart_backoff_max and stop_timeout must be >= 0")
+        self.name = name
+        self.n_workers = workers
+        self.worker_args = list(worker_args)
+        self.segment_config = segment_config or SegmentConfig()
+        self.fault_injection = fault_injection
+        self.restart_backoff = restart_backoff
+        self.restart_backoff_max = restart_backoff_max
+        self.crash_loop = (int(crash_loop[0]), float(crash_loop[1]))
+        self.stop_timeout = stop_timeout
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics_address: tuple[str, int] | None = None
+        self.handle_signals = handle_signals
+        self.python = python
+        self.env = dict(env) if env is not None else None
+        self._workers: list[_Worker] = []
+        self._sel: selectors.BaseSelector | None = None
+        self._wake_r = self._wake_w = -1
+        self._stopping = False
+        self._stop_requested = False  # set by stop(), from any thread
+        self._started = False
+        self._finished = False
+        self._metrics: http.server.HTTPServer | None = None
+        self._metrics_thread: threading.Thread | None = None
+
+    # --------------------------------------------------------------- public
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [w.seg for w in self._workers]
+
+    def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
+        """The command line of worker `index` (override to vary it per worker)."""
+        cmd = [self.python, "-m", "superfluid.daemon.worker", "--segment", segment, "--epoch", str(epoch)]
+        if self.fault_injection:
+            cmd.append("--fault-injection")
+        return cmd + self.worker_args
+
+    def start(self) -> None:
+        """Create the segments and start every worker; returns at once."""
+        if self._started:
+            raise RuntimeError("Daemon.start(): already started")
+        if not hasattr(os, "pidfd_open"):
+            raise OSError(errno.ENOSYS, "the daemon needs os.pidfd_open (Linux 5.3+)")
+        self._started = True
+        try:
+            self._sel = selectors.DefaultSelector()
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+            self._check_no_live_daemon()
+            for i in range(self.n_workers):
+                seg = Segment.create(self.name, i, self.segment_config, replace=True)
+                seg.header.fault_injection = int(self.fault_injection)
+                self._workers.append(_Worker(i, seg))
+            self._remove_stale_segments()
+            log.info("daemon %s (pid %d): %d worker(s), segments in %s, logits ring %d floats",
+                     self.name, os.getpid(), self.n_workers, os.path.dirname(self._workers[0].seg.path),
+                     self.segment_config.logits_floats)
+            if self.metrics_port is not None:
+                self._start_metrics()
+            for w in self._workers:
+                self._spawn(w)
+        except BaseException:
+            self._shutdown(kill_now=True)
+            raise
+
+    def serve_forever(self) -> int:
+        """Supervise until stopped (returns 0) or until every worker was
+        given up on (returns 1). Handles SIGTERM/SIGINT/SIGHUP when called on
+        the main thread and handle_signals is set."""
+        if not self._started or self._finished:
+            raise RuntimeError("Daemon.serve_forever(): call start() first, once")
+        restore = self._install_signals()
+        status = 0
+        try:
+            while not self._stopping:
+                self._step(0.0 if self._stop_requested else self._timeout())
+                if all(w.gave_up for w in self._workers):
+                    log.error("every worker gave up; the daemon exits")
+                    status = 1
+                    break
+            self._drain()
+        finally:
+            self._shutdown(kill_now=True)  # nothing left to do after a drain; after an error, no orphans
+            restore()
+        return status
+
+    def run(self) -> int:
+        self.start()
+        return self.serve_forever()
+
+    def stop(self) -> None:
+        """Ask serve_forever to drain and return (thread-safe; idempotent;
+        before serve_forever runs, it makes serve_forever drain at once)."""
+        self._stop_requested = True
+        self._wake(0)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every worker's header and counters as plain data."""
+        return [worker_snapshot(w.seg) for w in self._workers if not w.seg.closed]
+
+    def worker_pid(self, index: int) -> int | None:
+        p = self._workers[index].proc
+        return p.pid if p is not None else None
+
+    # ------------------------------------------------------------ the loop
+
+    def _wake(self, byte: int) -> None:
+        try:
+            os.write(self._wake_w, bytes([byte]))
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is waking anyway
+        except OSError:
+            pass  # already shut down
+
+    def _timeout(self) -> float | None:
+        now = time.monotonic()
+        due = [w.restart_at - now for w in self._workers if w.restart_at is not None]
+        if any(w.proc is not None and not w.ready for w in self._workers):
+            due.append(READY_CHECK_S)
+        return max(0.0, min(due)) if due else None
+
+    def _step(self, timeout: float | None) -> None:
+        assert self._sel is not None
+        for key, _ in self._sel.select(timeout):
+            if key.data is None:
+                self._read_wakeups()
+            else:
+                self._reap(key.data)
+        if self._stop_requested and not self._stopping:
+            log.info("stop requested")
+            self._stopping = True
+        self._check_ready()
+        now = time.monotonic()
+        for w in self._workers:
+            if w.restart_at is not None and w.restart_at <= now and not self._stopping:
+                w.restart_at = None
+                self._spawn(w)
+
+    def _read_wakeups(self) -> None:
+        while True:
+            try:
+                data = os.read(self._wake_r, 512)
+            except BlockingIOError:
+                return
+            if not data:
+                return
+            for b in data:
+                self._on_wakeup(b)
+
+    def _on_wakeup(self, signum: int) -> None:
+        if signum == 0:
+            pass  # stop(): _step looks at the flag
+        elif signum in (signal.SIGTERM, signal.SIGINT):
+            if self._stopping:
+                log.warning("%s received while stopping: killing the workers now", signal.Signals(signum).name)
+                self._kill_all()
+            else:
+                log.info("%s received: stopping", signal.Signals(signum).name)
+            self._stopping = True
+        elif signum == signal.SIGHUP:
+            self._retry_given_up()
+
+    def _install_signals(self) -> Callable[[], None]:
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        # The C-level handler writes the signal number into the pipe; the
+        # Python handler has nothing left to do but replace the default action.
+        old_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        old = {s: signal.signal(s, lambda *_: None) for s in sigs}
+
+        def restore() -> None:
+            for s, h in old.items():
+                signal.signal(s, h)
+            signal.set_wakeup_fd(old_fd)
+
+        return restore
+
+    # --------------------------------------------------------- one worker
+
+    def _spawn(self, w: _Worker) -> None:
+        seg = w.seg
+        h = seg.header
+        # The new worker counts from zero (status: "tokens emitted since the worker started").
+        ffi.memmove(ffi.addressof(h, "counters"), bytes(_COUNTERS_BYTES), _COUNTERS_BYTES)
+        h.worker_pid = 0
+        w.epoch = seg.bump_epoch(WorkerState.STARTING)
+        if h.restarts:
+            # Before the new worker exists, the daemon is the event queue's only producer.
+            self._notice(w, WorkerState.STARTING)
+        cmd = self.worker_command(w.index, seg.path, w.epoch)
+        w.ready = False
+        w.started = time.monotonic()
+        try:
+            # preexec_fn with threads about (metrics): it only calls prctl, getppid and kill,
+            # which take no lock another thread could hold at fork time.
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env,
+                                    preexec_fn=_die_with_parent(os.getpid()))  # noqa: PLW1509
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("worker %d: cannot start %s: %s", w.index, cmd[0], e)
+            self._failed(w, EXIT_SPAWN_FAILED)
+            return
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError:
+            proc.kill()
+            proc.wait()
+            raise
+        w.proc, w.pidfd = proc, pidfd
+        h.worker_pid = proc.pid  # the worker writes it too; status shows it while STARTING
+        assert self._sel is not None
+        self._sel.register(pidfd, selectors.EVENT_READ, w)
+        log.info("worker %d started: pid %d, epoch %d", w.index, proc.pid, w.epoch)
+
+    def _check_ready(self) -> None:
+        for w in self._workers:
+            if w.proc is None or w.ready or w.seg.epoch != w.epoch:
+                continue
+            if w.seg.worker_state == WorkerState.READY:
+                w.ready = True
+                rt = w.seg.runtime
+                rid = rt.runtime_id.decode(errors="replace") if isinstance(rt.runtime_id, bytes) else rt.runtime_id
+                log.info("worker %d ready (epoch %d, pid %d) in %.2f s: %s, vocab %d, max_batch %d",
+                         w.index, w.epoch, w.proc.pid, time.monotonic() - w.started, rid, rt.vocab_size,
+                         rt.max_batch)
+
+    def _unwatch(self, w: _Worker) -> int:
+        """Stop watching w's exited process; its exit status."""
+        assert w.proc is not None and self._sel is not None
+        self._sel.unregister(w.pidfd)
+        os.close(w.pidfd)
+        w.pidfd = -1
+        status = w.proc.wait()  # the pidfd said it exited: this reaps, it does not block
+        w.proc = None
+        return status
+
+    def _reap(self, w: _Worker) -> None:
+        if w.proc is None:
+            return  # reaped earlier in this round (killed after a second SIGTERM)
+        pid = w.proc.pid
+        status = self._unwatch(w)
+        lived = time.monotonic() - w.started
+        if self._stopping:
+            log.info("worker %d (pid %d) %s", w.index, pid, "stopped" if status == 0 else describe_exit(status))
+            return
+        log.warning("worker %d (pid %d, epoch %d) %s after %.1f s", w.index, pid, w.epoch,
+                    describe_exit(status), lived)
+        self._failed(w, status)
+
+    def _failed(self, w: _Worker, status: int) -> None:
+        """A worker ended (or could not start) while the daemon serves."""
+        h = w.seg.header
+        h.last_exit_status = status
+        now = time.monotonic()
+        n, window = self.crash_loop
+        w.failures.append(now)
+        while w.failures and w.failures[0] < now - window:
+            w.failures.popleft()
+        if len(w.failures) >= n:
+            w.gave_up = True
+            w.seg.set_worker_state(WorkerState.GAVE_UP)
+            self._notice(w, WorkerState.GAVE_UP)
+            log.error("worker %d failed %d times in %g s (last: %s); giving up on it", w.index, len(w.failures),
+                      window, short_exit(status))
+            return
+        w.seg.set_worker_state(WorkerState.DEAD)
+        h.restarts += 1
+        self._notice(w, WorkerState.DEAD)
+        delay = restart_delay(len(w.failures), self.restart_backoff, self.restart_backoff_max)
+        w.restart_at = now + delay
+        log.info("restarting worker %d in %.3g s (%d failure(s) in the last %g s; giving up at %d)", w.index,
+                 delay, len(w.failures), window, n)
+
+    def _notice(self, w: _Worker, state: WorkerState) -> None:
+        """Tell the planner through the event queue: DEAD or GAVE_UP with the
+        dead worker's epoch, STARTING with the new one. Only while no worker
+        produces on that queue (the last one died, the next is not started).
+        A full queue skips the notice: the epoch and state in the header say
+        it all the same."""
+        h = w.seg.header
+        slot = w.seg.event_queue.try_reserve()
+        if slot is None:
+            log.debug("worker %d: event queue full, no WorkerNotice", w.index)
+            return
+        codec.encode_into(slot, "WorkerNotice", WorkerNotice(
+            worker_epoch=w.seg.epoch, worker_state=int(state), exit_status=int(h.last_exit_status),
+            restarts=int(h.restarts)))
+        w.seg.event_queue.publish()
+
+    def _retry_given_up(self) -> None:
+        """SIGHUP: start again the workers that gave up (the cause may be fixed)."""
+        again = [w for w in self._workers if w.gave_up]
+        if not again:
+            log.info("SIGHUP: no worker gave up; nothing to retry")
+        for w in again:
+            log.info("SIGHUP: retrying worker %d", w.index)
+            w.gave_up = False
+            w.failures.clear()
+            w.restart_at = time.monotonic()
+
+    # ------------------------------------------------------------ shutdown
+
+    def _drain(self) -> None:
+        """Ask every worker to stop; SIGKILL those still there after stop_timeout."""
+        live = [w for w in self._workers if w.proc is not None]
+        log.info("stopping %d worker(s) (timeout %g s)", len(live), self.stop_timeout)
+        for w in self._workers:
+            w.restart_at = None
+            if w.proc is not None:
+                w.seg.set_worker_state(WorkerState.STOPPING)
+            w.seg.request_stop()
+        deadline = time.monotonic() + self.stop_timeout
+        while any(w.proc is not None for w in self._workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._step(left)
+        late = [w for w in self._workers if w.proc is not None]
+        if late:
+            log.warning("worker(s) %s did not stop within %g s: killing them", ", ".join(str(w.index) for w in late),
+                        self.stop_timeout)
+            self._kill_all()
+
+    def _kill_all(self) -> None:
+        for w in self._workers:
+            if w.proc is not None:
+                pid = w.proc.pid
+                w.proc.kill()
+                try:
+                    w.proc.wait(KILL_WAIT_S)
+                except subprocess.TimeoutExpired:  # uninterruptible sleep; PDEATHSIG still covers it
+                    log.error("worker %d (pid %d) survived SIGKILL for %g s", w.index, pid, KILL_WAIT_S)
+                    continue
+                self._unwatch(w)
+                log.info("worker %d (pid %d) killed", w.index, pid)
+
+    def _shutdown(self, *, kill_now: bool) -> None:
+        """Release everything: workers (killed), metrics, segments (unlinked), fds."""
+        if self._finished:
+            return
+        self._finished = True
+        self._stopping = True
+        if kill_now:
+            self._kill_all()
+        if self._metrics is not None:
+            self._metrics.shutdown()  # before the segments it reads are unmapped
+            self._metrics.server_close()
+            self._metrics = None
+        for w in self._workers:
+            if not w.seg.closed:
+                if w.seg.worker_state not in (WorkerState.STOPPED, WorkerState.GAVE_UP):
+                    w.seg.set_worker_state(WorkerState.STOPPED)  # a planner still mapped sees PeerGone
+                w.seg.close()
+            w.seg.unlink()
+        if self._sel is not None:
+            self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        if self._workers:
+            log.info("daemon %s stopped; segments removed", self.name)
+
+    def _check_no_live_daemon(self) -> None:
+        """`replace=True` must only ever replace a dead daemon's segments."""
+        for _, path in segment_paths(self.name):
+            try:
+                with Segment.open_path(path) as seg:
+                    pid = int(seg.header.daemon_pid)
+            except SegmentError:
+                continue  # not a readable segment: Segment.create decides whether to replace it
+            if pid != os.getpid() and pid_alive(pid):
+                raise SegmentError(f"{path}: daemon {self.name!r} is running (pid {pid}); stop it first "
+                                   "or choose another --name")
+
+    def _remove_stale_segments(self) -> None:
+        """A dead daemon with more workers left higher-numbered segments: status would show ghosts."""
+        for index, path in segment_paths(self.name):
+            if index >= self.n_workers:
+                log.info("removing stale segment %s", path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    # ------------------------------------------------------------- metrics
+
+    def _start_metrics(self) -> None:
+        daemon = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # http.server's name for it
+                if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                    self.send_error(404)
+                    return
+                body = prometheus_text(daemon.name, daemon.snapshot()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("metrics: " + format, *args)
+
+        assert self.metrics_port is not None
+        srv = http.server.ThreadingHTTPServer((self.metrics_host, self.metrics_port), Handler)
+        srv.daemon_threads = True
+        self._metrics = srv
+        host, port = srv.server_address[:2]
+        self.metrics_address = (str(host), int(port))
+        # A short poll interval: shutdown() waits for it when the daemon stops.
+        self._metrics_thread = threading.Thread(target=srv.serve_forever, args=(0.1,), name="superfluid-metrics",
+                                                daemon=True)
+        self._metrics_thread.start()
+        log.info("metrics on http://%s:%d/metrics", host, port)

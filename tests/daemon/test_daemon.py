@@ -1,0 +1,277 @@
+"""The daemon: serve, status, restarts, the crash-loop guard, shutdown, and
+no worker outliving it. Workers serve the fake runtime (each start still
+costs a Python + torch import, ~2 s)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from superfluid.abi import MsgKind, WorkerState, codec
+from superfluid.cli import main as cli_main
+from superfluid.client import PlanBuilder
+from superfluid.daemon.serve import parse_crash_loop, runtime_argv
+from superfluid.daemon.status import read_status
+from superfluid.daemon.supervisor import Daemon, describe_exit, restart_delay, segment_config_for
+from superfluid.daemon.worker import add_runtime_args
+from superfluid.rings.errors import SegmentError
+from superfluid.rings.segment import Segment, SegmentConfig, shm_dir
+
+WAIT_S = 60.0  # generous: a loaded 2-core CI box starts a worker in seconds, not milliseconds
+
+
+def wait_for(pred: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def live_workers(name: str) -> list[int]:
+    """Pids of live (not zombie) processes whose command line names a segment of `name`."""
+    marker = f"superfluid.{name}.".encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{d}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and b"superfluid.daemon.worker" in cmd and state != b"Z":
+            pids.append(int(d))
+    return pids
+
+
+def segment_files(name: str) -> list[str]:
+    return [f for f in os.listdir(shm_dir()) if f.startswith(f"superfluid.{name}.")]
+
+
+def state_of(name: str, index: int = 0) -> dict | None:
+    st = read_status(name)
+    if st is None or len(st["workers"]) <= index or "error" in st["workers"][index]:
+        return None
+    return st["workers"][index]
+
+
+def notices(seg: Segment) -> list:
+    """Drain the event queue (as the planner would) and keep the WorkerNotices."""
+    out = []
+    while (slot := seg.event_queue.try_peek()) is not None:
+        try:
+            if codec.read_header(slot)[0] == MsgKind.WORKER:
+                out.append(codec.decode(slot, "WorkerNotice"))
+        finally:
+            seg.event_queue.release()
+    return out
+
+
+class Serve:
+    """`superfluid serve` as a subprocess, its log in a file."""
+
+    def __init__(self, tmp_path: Path, name: str, *args: str):
+        self.name = name
+        self.log_path = tmp_path / f"{name}.log"
+        with open(self.log_path, "wb") as log:
+            # The environment carries the test session's SUPERFLUID_SHM_DIR.
+            self.proc = subprocess.Popen([sys.executable, "-m", "superfluid", "serve", "--name", name, *args],
+                                         stdout=log, stderr=log, env=dict(os.environ))
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_log(self, text: str) -> None:
+        wait_for(lambda: text in self.log or self.proc.poll() is not None, f"log line {text!r}")
+        assert text in self.log, self.log
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        wait_for(lambda: not live_workers(self.name), "workers to die with the daemon", 10)
+        for f in segment_files(self.name):
+            os.unlink(os.path.join(shm_dir(), f))
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., Serve]]:
+    started: list[Serve] = []
+
+    def start(name: str, *args: str) -> Serve:
+        s = Serve(tmp_path, name, *args)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.close()
+
+
+# ------------------------------------------------------------ pure parts
+
+
+def test_helpers() -> None:
+    assert [restart_delay(n, 0.5, 3.0) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert parse_crash_loop("5/60") == (5, 60.0)
+    for bad in ("5", "0/60", "5/0", "a/b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_crash_loop(bad)
+    assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
+    assert describe_exit(3) == "exit 3 (the model would not load)"
+    assert describe_exit(42) == "exit 42"
+    # The logits ring holds two steps of max_batch rows.
+    assert segment_config_for(512, 64).logits_floats == SegmentConfig().logits_floats
+    assert segment_config_for(151_936, 64).logits_floats == 2 * 64 * 151_936
+    p = argparse.ArgumentParser()
+    add_runtime_args(p)
+    assert runtime_argv(p.parse_args(["--fake", "--max-batch", "8"])) == ["--fake", "--max-batch", "8"]
+    assert runtime_argv(p.parse_args(["--model", "/m", "--backend", "triton"])) == [
+        "--model", "/m", "--backend", "triton"]
+
+
+def test_status_without_daemon(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["status", "nosuchdaemon"]) == 1
+    assert "no daemon named 'nosuchdaemon'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------- the daemon
+
+
+def test_serve_status_restart_and_sigterm(serve: Callable[..., Serve], seg_name: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    d = serve(seg_name, "--fake", "--restart-backoff", "0.05", "--metrics-port", "0")
+    d.wait_log("worker 0 ready (epoch 1")
+    wait_for(lambda: (state_of(seg_name) or {}).get("heartbeat_age_s") is not None, "the first heartbeat")
+    w = state_of(seg_name)
+    assert w is not None and w["state"] == "READY" and w["epoch"] == 1 and w["restarts"] == 0
+    first_pid = w["pid"]
+    assert first_pid in live_workers(seg_name)
+
+    # status, text and JSON
+    assert cli_main(["status", seg_name]) == 0
+    out = capsys.readouterr().out
+    assert f"pid {d.proc.pid} (running)" in out and "READY" in out
+    assert cli_main(["status", seg_name, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["daemon_pid"] == d.proc.pid and st["daemon_running"]
+    assert st["workers"][0]["pid"] == first_pid and st["workers"][0]["heartbeat_age_s"] is not None
+
+    # Prometheus endpoint
+    port = int(d.log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert f'superfluid_worker_ticks_total{{name="{seg_name}",worker="0"}} 0' in body
+    assert f'superfluid_worker_up{{name="{seg_name}",worker="0"}} 1' in body
+
+    # A second daemon of the same name must not replace a live one's segments.
+    with pytest.raises(SegmentError, match="is running"):
+        Daemon(seg_name, handle_signals=False).start()
+
+    # kill -9 the worker: marked, noticed, restarted on a new epoch.
+    planner = Segment.open(seg_name, 0)
+    try:
+        # One (empty) tick first, so the counters status reads are the worker's.
+        PlanBuilder(plan_seq=1).encode_into(planner.plan_queue.reserve(WAIT_S, epoch=1))
+        planner.plan_queue.publish()
+        planner.event_queue.wait_readable(WAIT_S, epoch=1)
+        wait_for(lambda: (state_of(seg_name) or {}).get("ticks") == 1, "status to count the tick")
+        os.kill(first_pid, signal.SIGKILL)
+        wait_for(lambda: planner.epoch == 2 and planner.worker_state == WorkerState.READY, "the restarted worker")
+        d.wait_log("worker 0 ready (epoch 2")
+        assert planner.header.restarts == 1 and planner.header.last_exit_status == -9
+        assert f"worker 0 (pid {first_pid}, epoch 1) killed by signal 9 (SIGKILL)" in d.log
+        assert "restarting worker 0 in 0.05 s" in d.log
+        got = [(n.worker_epoch, WorkerState(n.worker_state), n.exit_status, n.restarts) for n in notices(planner)]
+        assert got == [(1, WorkerState.DEAD, -9, 1), (2, WorkerState.STARTING, -9, 1)]
+        w = state_of(seg_name)
+        assert w is not None and w["pid"] != first_pid and w["pid"] in live_workers(seg_name)
+        assert w["ticks"] == 0  # a new worker counts from zero
+    finally:
+        planner.close()
+
+    # SIGTERM: drained, exit 0, no segment and no worker left.
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(WAIT_S) == 0, d.log
+    assert "SIGTERM received: stopping" in d.log and "worker 0 (pid" in d.log
+    assert segment_files(seg_name) == []
+    assert live_workers(seg_name) == []
+
+
+def test_sigkilled_daemon_takes_its_workers_along(serve: Callable[..., Serve], seg_name: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    d = serve(seg_name, "--fake", "--workers", "2")
+    d.wait_log("worker 0 ready")
+    d.wait_log("worker 1 ready")
+    assert len(live_workers(seg_name)) == 2
+    d.proc.kill()
+    d.proc.wait()
+    wait_for(lambda: not live_workers(seg_name), "PDEATHSIG to kill the workers", 10)
+    # Its segments stay behind, and status says whose they were.
+    assert len(segment_files(seg_name)) == 2
+    assert cli_main(["status", seg_name]) == 1
+    assert "is not running" in capsys.readouterr().err
+    # (the fixture removes the stale segments)
+
+
+def test_crash_loop_gives_up_on_one_worker_and_serves_the_other(
+        tmp_path: Path, seg_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="superfluid.daemon")
+    not_a_checkpoint = str(tmp_path)
+
+    class OneBad(Daemon):
+        def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
+            cmd = super().worker_command(index, segment, epoch)
+            return cmd[:-1] + ["--model", not_a_checkpoint] if index == 1 else cmd  # drop --fake: exit 3
+
+    d = OneBad(seg_name, ["--fake"], workers=2, restart_backoff=0.05, crash_loop=(3, 60.0), stop_timeout=10.0,
+               handle_signals=False)
+    d.start()
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(d.serve_forever()))
+    t.start()
+    try:
+        good, bad = d.segments
+        wait_for(lambda: bad.worker_state == WorkerState.GAVE_UP, "worker 1 to be given up on")
+        wait_for(lambda: good.worker_state == WorkerState.READY, "worker 0 to be ready")
+        assert "worker 1 failed 3 times in 60 s (last: exit 3); giving up on it" in caplog.text
+        assert "exit 3 (the model would not load)" in caplog.text
+        assert bad.header.restarts == 2 and bad.header.last_exit_status == 3 and bad.epoch == 3
+        assert [(n.worker_state, n.exit_status) for n in notices(bad)][-1] == (WorkerState.GAVE_UP, 3)
+        assert good.epoch == 1 and good.header.restarts == 0
+        assert t.is_alive()  # still serving worker 0
+        # SIGHUP (its byte on the wake-up pipe, as the signal handler writes it) retries it.
+        d._wake(signal.SIGHUP)
+        wait_for(lambda: bad.epoch == 4, "worker 1 to be started again")
+        assert "SIGHUP: retrying worker 1" in caplog.text
+    finally:
+        d.stop()
+        t.join(WAIT_S)
+    assert result == [0]
+    assert segment_files(seg_name) == [] and live_workers(seg_name) == []
+
+
+def test_every_worker_gave_up_exits_1(serve: Callable[..., Serve], seg_name: str, tmp_path: Path) -> None:
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    d = serve(seg_name, "--model", str(empty), "--restart-backoff", "0.05", "--crash-loop", "2/60")
+    assert d.proc.wait(WAIT_S) == 1, d.log
+    assert "cannot read the model's config" in d.log  # the daemon sized the ring without it
+    assert "worker 0 failed 2 times in 60 s (last: exit 3); giving up on it" in d.log
+    assert "every worker gave up" in d.log
+    assert segment_files(seg_name) == [] and live_workers(seg_name) == []
