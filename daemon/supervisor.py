@@ -353,6 +353,11 @@ class Daemon:
         ffi.memmove(ffi.addressof(h, "counters"), bytes(_COUNTERS_BYTES), _COUNTERS_BYTES)
         h.worker_pid = 0
         w.epoch = seg.bump_epoch(WorkerState.STARTING)
+        # Plans and ops the dead worker never read were meant for a state that is gone:
+        # the new worker starts clean and the planner re-admits (SPEC §9).
+        dropped = seg.plan_queue.discard_unread() + seg.op_queue.discard_unread()
+        if dropped:
+            log.info("worker %d: dropped %d unread plan/op messages of the old epoch", w.index, dropped)
         if h.restarts:
             # Before the new worker exists, the daemon is the event queue's only producer.
             self._notice(w, WorkerState.STARTING)

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # torch is only needed by uniform_torch
-    import torch
-except ImportError:  # pragma: no cover - torch is a project dependency
-    torch = None  # type: ignore[assignment]
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -68,8 +64,7 @@ def _srl(z: "torch.Tensor", s: int) -> "torch.Tensor":
 
 def uniform_torch(positions: "torch.Tensor") -> "torch.Tensor":
     """uniform() over an int64 tensor of positions (u64 values in two's complement), on its device."""
-    if torch is None:  # pragma: no cover
-        raise RuntimeError("uniform_torch needs torch")
+    import torch  # here, not at the top: the host sampler (and a fake worker) needs no torch
     z = positions.to(torch.int64) + _as_int64(GOLDEN)
     z = (z ^ _srl(z, 30)) * _as_int64(MIX1)
     z = (z ^ _srl(z, 27)) * _as_int64(MIX2)

@@ -18,9 +18,11 @@ from superfluid.engine.plan import PlanReject, decode_plan, encode_events_into, 
 from superfluid.executor.executor import Executor
 from superfluid.executor.rings import SegmentRings
 from superfluid.rings.errors import PeerGone, StopRequested
-from superfluid.rings.queue import QueueTimeout
+from superfluid.rings.queue import DEFAULT_SPIN_NS, QueueTimeout
 
-IDLE_SLICE_S = 0.05  # how often an idle worker flushes op completions and beats its heart
+# An idle worker sleeps on the plan queue; ops arrive on another queue, so it
+# looks at them this often (an op's completion waits at most this long).
+IDLE_SLICE_S = 0.005
 PARTIAL_WAIT_S = 1.0  # a partial emit waits this long for room, then is dropped (counted)
 
 
@@ -44,6 +46,9 @@ class Worker:
         slot = self.seg.event_queue.reserve(None, epoch=self.epoch, watch_stop=True)
         codec.encode_into(slot, name, record)
         self.seg.event_queue.publish()
+
+    def _flush_ops(self) -> None:
+        self._send("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(self.ex._take_completions())))
 
     def _counters(self) -> None:
         c = self.seg.counters
@@ -94,17 +99,19 @@ class Worker:
         seg.runtime = self.ex.desc.to_record()
         seg.set_worker_state(WorkerState.READY)
         plans = seg.plan_queue
+        spin = DEFAULT_SPIN_NS  # right after a tick the next plan often follows: spin for it first
         try:
             while True:
                 self._drain_ops()
+                if self.ex.completions and plans.try_peek() is None:
+                    self._flush_ops()  # no tick to carry them: answer the ops at once
                 try:
-                    slot = plans.peek(IDLE_SLICE_S, epoch=self.epoch, watch_stop=True)
+                    slot = plans.peek(IDLE_SLICE_S, epoch=self.epoch, watch_stop=True, spin_ns=spin)
                 except QueueTimeout:
-                    if self.ex.completions:
-                        self._send("OpEvents", OpEvents(worker_epoch=self.epoch,
-                                                        op_completions=tuple(self.ex._take_completions())))
+                    spin = 0  # idle: sleep, do not burn a core
                     self._counters()
                     continue
+                spin = DEFAULT_SPIN_NS
                 self._drain_ops()
                 self._tick(slot)
         except StopRequested:

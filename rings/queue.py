@@ -93,6 +93,17 @@ class SlotQueue:
     def wake_all(self) -> None:
         lib.sf_queue_wake_all(self._view)
 
+    def discard_unread(self) -> int:
+        """Drop every published, unread message (tail := head); how many.
+        Only for whoever stands in for a consumer that is gone (the daemon,
+        between a dead worker and its replacement)."""
+        q = self._view.q
+        head = lib.sf_load_acquire_u64(ffi.addressof(q, "head"))
+        tail = lib.sf_load_acquire_u64(ffi.addressof(q, "tail"))
+        lib.sf_store_release_u64(ffi.addressof(q, "tail"), head)
+        self.wake_all()
+        return int(head - tail)
+
     # --------------------------------------------------------------- waits
 
     def _waited(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool, spin_ns: int) -> memoryview:

@@ -1,0 +1,518 @@
+"""The reference planner: continuous batching over one worker.
+
+Read this first if you are writing a scheduler in another language: it uses
+only the records of abi/superfluid.h and the client's queue calls. A tick:
+
+  1. plan   — from the planner's own state: retire finished and faulted lanes,
+              commit host-sampled tokens, give prefilling lanes their next
+              chunk under the prefill budget, admit waiting requests while the
+              limits allow, grant decoding lanes their tokens;
+  2. send   — `client.tick(plan)` and wait for its events;
+  3. replan — NeedsReplan means the plan changed nothing: let the prefix
+              cache be evicted, then admit fewer, then preempt a lane, and
+              send again;
+  4. absorb — fold the events back in: admitted lanes, how far each prefill
+              really got (shed chunks), emitted tokens and finishes, host rows
+              to sample, faulted lanes to re-admit.
+
+Recovery (SPEC §9): when the worker dies, every wait raises WorkerRestarted.
+The planner reconnects and re-admits each unfinished request with its prompt
+plus what it has generated so far; decode replays the generated tail
+(`decode_replay`) and draws resume at `rng_counter_base = base + sampled`,
+so the request goes on exactly where it was. A faulted or preempted lane is
+re-admitted the same way.
+
+State is plain: a Request is what the user asked and what came back; a Lane
+is a request's current admission on the worker, named by a lane tag that is
+never reused (so nothing a dead worker or an old plan did can be mistaken
+for the new admission).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from superfluid.abi import CacheClass, Finish, ParamFlag, Sampling, ShedKind, Status
+from superfluid.abi.records import LaneCommit, LaneEmit, SamplingParams, TickEvents
+from superfluid.client.builder import PlanBuilder
+from superfluid.client.client import Client, ClientTimeout, WorkerRestarted
+
+GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST
+
+# A host sampler picks a token from a logits row; `position` is the draw's
+# rng position (rng_base + tokens sampled so far), the same key the engine uses.
+HostSampler = Callable[[np.ndarray, int], int]
+
+_U64 = (1 << 64) - 1
+_U16 = (1 << 16) - 1
+_EVICT_ALL = 1 << 62  # max_evict_bytes when the planner lets the cache go
+
+
+class PlannerError(Exception):
+    """The worker refused a plan for a reason a correct planner never causes."""
+
+    def __init__(self, events: TickEvents):
+        super().__init__(f"plan {events.plan_seq} rejected: {Status(events.status).name}: "
+                         f"{events.message.decode(errors='replace')}")
+        self.events = events
+
+
+# ------------------------------------------------------------------ state
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """What the user asked, and what came back so far."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    params: SamplingParams
+    rng_base: int
+    publish: bool
+    host_sampler: HostSampler | None
+    stop_at_eos: bool
+    submitted_at: float
+    generated: list[int] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finish: str | None = None  # "eos", "length" (max_seq_len), "max_tokens", "unservable" (memory)
+    finished_at: float | None = None
+    admissions: int = 0  # > 1: re-admitted after a restart, a fault or a preemption
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+@dataclasses.dataclass(eq=False)
+class Lane:
+    """One admission of a request on the worker."""
+
+    tag: int
+    request: Request
+    prefill_end: int  # prompt tokens prefill feeds; the generated tail is replayed by decode
+    replay_left: int  # generated tokens decode has still to replay
+    prefilled: int = 0  # prompt tokens the executor has taken
+    commit: LaneCommit | None = None  # HOST: the sampled token the next plan commits
+    retiring: bool = False  # finished: the next plan retires it
+
+
+@dataclasses.dataclass
+class RequestResult:
+    id: int
+    tokens: list[int]
+    finish: str | None
+    ttft_s: float | None  # submit to first token
+    latency_s: float | None  # submit to finish
+    token_times: list[float]  # clock() when each token reached the planner
+    admissions: int
+
+
+@dataclasses.dataclass
+class PlannerStats:
+    ticks: int = 0  # plans applied
+    replans: int = 0  # NeedsReplan answers
+    tokens: int = 0
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    prefill_chunks_shed: int = 0
+    prefill_tokens_shed: int = 0
+    evictions: int = 0
+    bytes_evicted: int = 0
+    faults: int = 0
+    preemptions: int = 0
+    restarts: int = 0  # WorkerRestarted seen (each followed by a reconnect)
+
+
+@dataclasses.dataclass
+class Report:
+    results: dict[int, RequestResult]
+    stats: PlannerStats
+
+
+@dataclasses.dataclass
+class _Draft:
+    """A plan and what it means to the planner; applied only once accepted
+    (a refused plan changed nothing, on either side)."""
+
+    builder: PlanBuilder
+    admits: list[Lane] = dataclasses.field(default_factory=list)
+    prefills: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens offered
+    reached: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> prefilled after, by the budget
+    decodes: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens granted
+    commits: list[int] = dataclasses.field(default_factory=list)
+    retires: list[int] = dataclasses.field(default_factory=list)
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(np.ceil(q / 100 * len(s))) - 1))]
+
+
+# ---------------------------------------------------------------- planner
+
+
+class Planner:
+    """Continuous batching over one worker (see the module docstring).
+
+    prefill_token_budget: prompt tokens per tick, over all lanes.
+    prefill_chunk: tokens offered to one lane per tick; None = what the budget
+        has left (nothing is shed). Above the budget, the executor takes what
+        the budget allows and sheds the rest; the planner resumes from there.
+    decode_grant: tokens a GPU-sampled lane may decode per tick (HOST: 1).
+    max_lanes: lanes live at once (at most the runtime's max_batch).
+    max_admits_per_tick: new lanes per tick (None: as the limits allow).
+    """
+
+    def __init__(self, client: Client, *, prefill_token_budget: int = 512, prefill_chunk: int | None = None,
+                 decode_grant: int = 4, max_lanes: int | None = None, max_admits_per_tick: int | None = None,
+                 tick_timeout: float = 30.0, reconnect_timeout: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if prefill_token_budget < 1 or decode_grant < 1 or (prefill_chunk is not None and prefill_chunk < 1):
+            raise ValueError("prefill_token_budget, prefill_chunk and decode_grant are at least 1")
+        self.client = client
+        self.prefill_token_budget = prefill_token_budget
+        self.prefill_chunk = prefill_chunk
+        self.decode_grant = min(decode_grant, _U16)
+        self.max_admits_per_tick = max_admits_per_tick
+        self.tick_timeout = tick_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.clock = clock
+        desc = client.describe()
+        self.eos = frozenset(desc["eos"])
+        max_batch = int(desc["runtime"]["max_batch"])
+        self.max_lanes = min(max_lanes or max_batch, max_batch)
+        self.requests: dict[int, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.lanes: dict[int, Lane] = {}  # by tag, in admission order (prefill runs in this order)
+        self.retire_next: set[int] = set()  # faulted, preempted or orphaned tags: retire, don't publish
+        self.stats = PlannerStats()
+        self._next_id = 1
+        self._evict = False  # set by the first NeedsReplan: the prefix cache may be evicted from then on
+        self._admit_cap: int | None = None  # admits per tick while memory is short (until a lane retires)
+
+    # --------------------------------------------------------------- requests
+
+    def submit(self, prompt_tokens, max_new_tokens: int, sampling: Sampling = GPU_GREEDY, *,
+               params: SamplingParams | None = None, rng_base: int = 0, publish: bool = True,
+               host_sampler: HostSampler | None = None, stop_at_eos: bool = True) -> int:
+        """Queue a request; its id. HOST requests need `host_sampler`; the
+        draw of generated token k is at rng position `rng_base + k`."""
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("a request needs a prompt and max_new_tokens >= 1")
+        if sampling == HOST and host_sampler is None:
+            raise ValueError("a HOST request needs a host_sampler(row, position) -> token")
+        params = params or SamplingParams()
+        if not stop_at_eos:
+            params = params._replace(flags=params.flags | int(ParamFlag.IGNORE_EOS))
+        req = Request(self._next_id, prompt, max_new_tokens, Sampling(sampling), params, rng_base & _U64,
+                      publish, host_sampler, stop_at_eos, submitted_at=self.clock())
+        self._next_id += 1
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req.id
+
+    # ------------------------------------------------------------------ loop
+
+    def busy(self) -> bool:
+        """Work left: waiting requests, lanes, or tags to retire."""
+        self.retire_next |= self.client.take_orphans()
+        return bool(self.waiting or self.lanes or self.retire_next)
+
+    def run_until_done(self, timeout: float = 300.0) -> Report:
+        """Tick until every request is finished and every lane retired."""
+        deadline = self.clock() + timeout
+        start = self.clock()
+        while self.busy():
+            left = deadline - self.clock()
+            if left <= 0:
+                raise ClientTimeout(f"requests still running after {timeout}s")
+            self.step(min(self.tick_timeout, left))
+        self.stats.wall_s += self.clock() - start
+        return self.report()
+
+    def step(self, timeout: float | None = None) -> None:
+        """One tick, or, when the worker is gone, one recovery."""
+        self.retire_next |= self.client.take_orphans()  # lanes a pre-restart plan admitted
+        try:
+            draft, events = self._send(timeout)
+        except WorkerRestarted:
+            self._recover()
+            return
+        self._absorb(draft, events)
+
+    def _send(self, timeout: float | None) -> tuple[_Draft, TickEvents]:
+        """Plan, send, and shrink the plan while the worker answers NeedsReplan."""
+        caps = [c for c in (self.max_admits_per_tick, self._admit_cap) if c is not None]
+        max_admits = min(caps) if caps else None
+        publish = True
+        while True:
+            draft = self._plan(max_admits, self._evict, publish)
+            events = self.client.tick(draft.builder, timeout)
+            if events.status == Status.OK:
+                return draft, events
+            if events.status != Status.NeedsReplan:
+                raise PlannerError(events)
+            self.stats.replans += 1
+            # Nothing happened. Let the prefix cache make room first, then
+            # admit fewer, then keep nothing a retiring lane would publish,
+            # then give up a running lane's memory. The first two stick: the
+            # cache stays evictable, and admissions stay capped until a lane
+            # retires, so the next ticks don't ask the same question.
+            if not self._evict:
+                self._evict = True
+            elif len(draft.admits) == 1 and not self.lanes:
+                self._refuse(self.waiting.popleft())  # alone on an idle worker, it still does not fit
+            elif draft.admits:
+                max_admits = self._admit_cap = len(draft.admits) // 2
+            elif publish and any(lane.retiring and lane.request.publish for lane in self.lanes.values()):
+                publish = False  # a published lane keeps its cells until a later tick evicts them
+            elif self._preempt_newest():
+                max_admits = 0  # not the preempted request again in this tick
+            else:
+                raise PlannerError(events)
+
+    # ------------------------------------------------------------------ plan
+
+    def _plan(self, max_admits: int | None, evict: bool, publish: bool = True) -> _Draft:
+        b = PlanBuilder(0, prefill_token_budget=self.prefill_token_budget)  # the client stamps plan_seq
+        if evict:
+            b.evictable_cache_classes = int(CacheClass.RESIDENT_PREFIX_CLASS)
+            b.max_evict_bytes = _EVICT_ALL
+        d = _Draft(b)
+        self._plan_retires(d, publish)
+        self._plan_commits(d)
+        # Lanes already in flight prefill first: they hold memory already.
+        budget = self.prefill_token_budget
+        for lane in self.lanes.values():
+            budget = self._plan_prefill(d, lane, budget)
+        self._plan_admits(d, max_admits, budget)
+        self._plan_decodes(d)
+        return d
+
+    def _plan_retires(self, d: _Draft, publish: bool) -> None:
+        for lane in self.lanes.values():
+            if lane.retiring:
+                d.builder.retire(lane.tag, publish_to_cache=publish and lane.request.publish)
+                d.retires.append(lane.tag)
+        for tag in sorted(self.retire_next):
+            d.builder.retire(tag, publish_to_cache=False)
+            d.retires.append(tag)
+
+    def _plan_commits(self, d: _Draft) -> None:
+        """HOST lanes: the token the host sampler picked from last tick's row."""
+        for lane in self.lanes.values():
+            if lane.commit is not None and not lane.retiring:
+                d.builder.commit(*lane.commit)
+                d.commits.append(lane.tag)
+
+    def _plan_prefill(self, d: _Draft, lane: Lane, budget: int) -> int:
+        """The lane's next prompt chunk; returns the budget left."""
+        left = lane.prefill_end - lane.prefilled
+        if left == 0 or lane.retiring:
+            return budget
+        offer = min(left, self.prefill_chunk if self.prefill_chunk else budget)
+        if offer == 0:
+            return budget
+        d.builder.prefill(lane.tag, lane.prefilled, offer)
+        d.prefills[lane.tag] = offer
+        take = min(offer, budget)  # the executor takes tokens in plan order up to the budget
+        d.reached[lane.tag] = lane.prefilled + take
+        return budget - take
+
+    def _plan_admits(self, d: _Draft, max_admits: int | None, budget: int) -> None:
+        """Waiting requests, oldest (or interrupted) first, while a lane slot
+        and prefill budget are free."""
+        for req in self.waiting:
+            if len(self.lanes) + len(d.admits) >= self.max_lanes or budget == 0:
+                break
+            if max_admits is not None and len(d.admits) >= max_admits:
+                break
+            lane = self._admit(d, req)
+            budget = self._plan_prefill(d, lane, budget)
+
+    def _admit(self, d: _Draft, req: Request) -> Lane:
+        """Admit `req` from where it is: prompt + generated so far, the
+        generated tail replayed by decode, draws resuming past the tokens
+        already sampled (SPEC §9). A fresh request has nothing to replay.
+        decode_replay < len(prompt + generated) always holds: the prompt is
+        never empty."""
+        tag = self.client.new_lane_tag()
+        sampled = len(req.generated)  # every generated token was drawn (engine or host) at base + index
+        ref = self.client.write_prompt(req.prompt + req.generated)
+        d.builder.admit(tag, ref, sampling=req.sampling, params=req.params,
+                        rng_counter_base=(req.rng_base + sampled) & _U64, decode_replay=sampled)
+        lane = Lane(tag, req, prefill_end=len(req.prompt), replay_left=sampled)
+        d.admits.append(lane)
+        return lane
+
+    def _plan_decodes(self, d: _Draft) -> None:
+        """Lanes whose prefill is complete by the end of this tick decode:
+        GPU lanes up to `decode_grant` new tokens, never past max_new_tokens,
+        plus what they have to replay (replayed tokens count against the
+        grant); HOST lanes one token (replayed or new)."""
+        for lane in [*self.lanes.values(), *d.admits]:
+            if lane.retiring or d.reached.get(lane.tag, lane.prefilled) != lane.prefill_end:
+                continue
+            req = lane.request
+            if req.sampling == HOST:
+                grant = 1  # the executor's rule: the planner picks each token
+            else:
+                # A re-admitted lane catches up in one tick: its replay, then the usual grant.
+                new = min(self.decode_grant, req.max_new_tokens - len(req.generated))
+                grant = min(_U16, lane.replay_left + new)
+            d.builder.decode(lane.tag, grant)
+            d.decodes[lane.tag] = grant
+
+    def _refuse(self, req: Request) -> None:
+        """A request the worker's memory cannot hold even alone: it ends
+        with what it has."""
+        req.finish, req.finished_at = "unservable", self.clock()
+
+    def _preempt_newest(self) -> bool:
+        """Give up the newest running lane's memory: retire it and queue its
+        request to be re-admitted from where it is. A lane that runs short
+        alone (nothing retiring keeps cells: see _send) can never run: it is
+        refused instead. False: no lane to give up."""
+        running = [lane for lane in self.lanes.values() if not lane.retiring]
+        if not running:
+            return False
+        lane = running[-1]
+        del self.lanes[lane.tag]
+        self.retire_next.add(lane.tag)
+        if len(running) == 1:
+            self._refuse(lane.request)
+        else:
+            self.waiting.append(lane.request)
+            self.stats.preemptions += 1
+        return True
+
+    # ---------------------------------------------------------------- absorb
+
+    def _absorb(self, d: _Draft, ev: TickEvents) -> None:
+        """Fold an accepted plan and its events into the planner's state."""
+        now = self.clock()
+        self.stats.ticks += 1
+        for lane in d.admits:
+            assert self.waiting[0] is lane.request  # admits came off the front, in order
+            self.waiting.popleft()
+            lane.request.admissions += 1
+            self.lanes[lane.tag] = lane
+        for tag in d.retires:
+            self.lanes.pop(tag, None)
+            self.retire_next.discard(tag)
+        if d.retires:
+            self._admit_cap = None  # memory came back: admit as the limits allow again
+        for tag, offer in d.prefills.items():
+            self.lanes[tag].prefilled += offer  # less what was shed, below
+        for tag, grant in d.decodes.items():
+            lane = self.lanes[tag]
+            lane.replay_left -= min(grant, lane.replay_left)  # replay rounds come first
+        for tag in d.commits:
+            self.lanes[tag].commit = None
+        self._absorb_shed(ev)
+        self._absorb_faults(ev)
+        for emit in ev.emits:
+            self._absorb_emit(emit, now)
+
+    def _absorb_shed(self, ev: TickEvents) -> None:
+        """A shed PREFILL_CHUNK says where the executor really stopped; the
+        next chunk starts there."""
+        for e in ev.shed.entries:
+            if e.kind == ShedKind.PREFILL_CHUNK:
+                lane = self.lanes.get(e.lane_tag)
+                if lane is not None:
+                    lane.prefilled -= e.tokens
+                self.stats.prefill_chunks_shed += 1
+                self.stats.prefill_tokens_shed += e.tokens
+            elif e.kind == ShedKind.CACHE_EVICTION:
+                self.stats.evictions += 1
+                self.stats.bytes_evicted += e.bytes
+
+    def _absorb_faults(self, ev: TickEvents) -> None:
+        """A faulted lane's sequence is gone: retire its tag and re-admit the
+        request from where it was, as after a restart."""
+        again = []
+        for f in ev.faults:
+            self.stats.faults += 1
+            self.retire_next.add(f.lane_tag)
+            lane = self.lanes.pop(f.lane_tag, None)
+            if lane is not None and not lane.request.done:
+                again.append(lane.request)
+        self.waiting.extendleft(reversed(again))
+
+    def _absorb_emit(self, emit: LaneEmit, now: float) -> None:
+        lane = self.lanes.get(emit.lane_tag)
+        if lane is None:
+            return
+        req = lane.request
+        tokens = self._host_sample(lane, emit) if req.sampling == HOST else self.client.tokens(emit)
+        req.generated.extend(tokens)
+        req.token_times.extend([now] * len(tokens))
+        reason = self._finish_reason(req, emit, tokens)
+        if reason is not None:
+            req.finish, req.finished_at = reason, now
+            lane.retiring = True
+        elif req.sampling == HOST and tokens:
+            lane.commit = self.client.commit(emit, tokens[0])
+
+    def _host_sample(self, lane: Lane, emit: LaneEmit) -> list[int]:
+        """A HOST lane's row (none while it replays): the planner draws the
+        token at position rng_base + tokens sampled so far."""
+        if not emit.logits_nonce:
+            return []
+        req = lane.request
+        row = self.client.logits_row(emit)
+        return [int(req.host_sampler(row, (req.rng_base + len(req.generated)) & _U64))]
+
+    def _finish_reason(self, req: Request, emit: LaneEmit, tokens: list[int]) -> str | None:
+        if emit.finish == Finish.EOS or (req.stop_at_eos and tokens and tokens[-1] in self.eos):
+            return "eos"
+        if emit.finish == Finish.LENGTH:
+            return "length"
+        if len(req.generated) >= req.max_new_tokens:
+            return "max_tokens"
+        return None
+
+    # -------------------------------------------------------------- recovery
+
+    def _recover(self) -> None:
+        """The worker is gone with every lane: wait for its replacement and
+        queue each unfinished request to be re-admitted from where it is
+        (prompt + generated, generated replayed). Finished lanes need no
+        retire: the new worker never had them."""
+        self.stats.restarts += 1
+        self.client.reconnect(self.reconnect_timeout)
+        again = [lane.request for lane in self.lanes.values() if not lane.request.done]
+        self.lanes.clear()
+        self.retire_next.clear()
+        self._evict, self._admit_cap = False, None  # a fresh worker: empty cache, free memory
+        self.waiting.extendleft(reversed(again))
+
+    # ---------------------------------------------------------------- report
+
+    def report(self) -> Report:
+        results = {}
+        for req in self.requests.values():
+            first = req.token_times[0] - req.submitted_at if req.token_times else None
+            latency = req.finished_at - req.submitted_at if req.finished_at is not None else None
+            results[req.id] = RequestResult(req.id, list(req.generated), req.finish, first, latency,
+                                            list(req.token_times), req.admissions)
+        s = self.stats
+        s.tokens = sum(len(r.generated) for r in self.requests.values())
+        s.tokens_per_s = s.tokens / s.wall_s if s.wall_s > 0 else 0.0
+        ttfts = [r.ttft_s for r in results.values() if r.ttft_s is not None]
+        s.ttft_p50_s, s.ttft_p99_s = _percentile(ttfts, 50), _percentile(ttfts, 99)
+        return Report(results, dataclasses.replace(s))
