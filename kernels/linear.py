@@ -30,7 +30,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, i
     whatever n is (invariant=False: one plain GEMM, for measuring the tax)."""
     n = x.shape[0]
     if invariant:
-        y = (w @ pad_rows(x).T)[:, :n].T
+        # .contiguous(): with a transposed view as the right operand, small GEMMs can take a
+        # path hundreds of times slower (seen at hidden 64); the copy is tokens x hidden.
+        y = (w @ pad_rows(x).T.contiguous())[:, :n].T
     else:
         y = x @ w.T
     if b is not None:

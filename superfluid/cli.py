@@ -18,6 +18,7 @@ COMMANDS: tuple[str, ...] = (
     "superfluid.bench",
     "superfluid.daemon.serve",
     "superfluid.daemon.status",
+    "superfluid.demo",
 )
 
 
