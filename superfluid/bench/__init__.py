@@ -13,6 +13,7 @@ BENCHES: tuple[str, ...] = (
     "superfluid.bench.ring",
     "superfluid.bench.engine",
     "superfluid.bench.tick",
+    "superfluid.bench.e2e",
 )
 
 

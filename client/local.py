@@ -1,0 +1,62 @@
+"""`LocalClient`: the planner's view of an executor in this process.
+
+The same calls the reference planner makes of a `Client`, answered by an
+in-process `Executor` instead of a worker across shared memory: the
+baseline `bench e2e` compares the daemon path against, and a way to run the
+planner in tests without a process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from superfluid.abi.records import LaneCommit, LaneEmit, RingRef, TickEvents, TickPlan
+from superfluid.client.builder import PlanBuilder
+from superfluid.executor import Executor
+
+
+class LocalClient:
+    def __init__(self, executor: Executor):
+        self.ex = executor
+        self._next_seq = 1
+        self._lane_tags = itertools.count(1)
+        self._describe: dict[str, Any] | None = None
+
+    def describe(self, timeout: float | None = None) -> dict[str, Any]:
+        if self._describe is None:
+            self._describe = msgpack.unpackb(self.ex.op({"op": "DESCRIBE", "op_id": 0}).payload, raw=False,
+                                             strict_map_key=False)
+        return self._describe
+
+    def new_lane_tag(self) -> int:
+        return next(self._lane_tags)
+
+    def take_orphans(self) -> set[int]:
+        return set()  # one process: no plan outlives its executor
+
+    def reconnect(self, timeout: float | None = None) -> int:
+        raise RuntimeError("an in-process executor does not restart")
+
+    def tick(self, plan: TickPlan | PlanBuilder, timeout: float | None = None) -> TickEvents:
+        record = plan.build() if isinstance(plan, PlanBuilder) else plan
+        if not record.plan_seq:
+            record = record._replace(plan_seq=self._next_seq)
+        self._next_seq = record.plan_seq + 1
+        return self.ex.tick(record).events
+
+    def write_prompt(self, tokens) -> RingRef:
+        return self.ex.rings.prompt.write(np.asarray(tokens, dtype=np.uint32))
+
+    def tokens(self, emit: LaneEmit) -> list[int]:
+        return self.ex.rings.tokens.read(emit.token_ref).tolist() if emit.n_tokens else []
+
+    def logits_row(self, emit: LaneEmit) -> np.ndarray:
+        return self.ex.rings.logits.read(emit.logits_row)
+
+    @staticmethod
+    def commit(emit: LaneEmit, token_id: int) -> LaneCommit:
+        return LaneCommit(emit.lane_tag, int(token_id), emit.logits_nonce)
