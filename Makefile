@@ -20,6 +20,9 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+demo: $(STAMP)
+	$(VENV)/bin/superfluid demo
+
 fuzz: $(STAMP)
 	$(PY) -m superfluid.fuzz.plan_target --runs 100000
 
