@@ -50,6 +50,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=int, default=0, help="sequences at once, 0 = unbounded")
     p.add_argument("--max-seq-len", type=int, default=0, help="cap on cells per sequence (default: the model's)")
     p.add_argument("--prefill-step-tokens", type=int, default=512, help="tokens per prefill step (default 512)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads per worker (default: torch's choice). Keep workers x threads "
+                        "at or under the free cores: OpenMP barriers spin, and a descheduled thread stalls all")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 0
     seg.header.worker_pid = os.getpid()
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         runtime = build_runtime(args)
     except Exception as e:  # any load failure: the daemon logs it and counts it as a crash
