@@ -354,7 +354,7 @@ class Executor:
         reached: dict[int, int] = {}
         budget = plan.prefill_token_budget
         taken = 0
-        retiring = {r.lane_tag for r in plan.retires}
+        retiring = self._retiring_live(plan)
         for i, p in enumerate(plan.prefills):
             f = f"prefills[{i}]"
             lane = self.lanes.get(p.lane_tag)
@@ -383,7 +383,7 @@ class Executor:
     def _check_decodes(self, plan: TickPlan, prompts: dict[int, list[int]], reached: dict[int, int]) -> dict[int, int]:
         """Decode rounds each lane can run (capped by its room to max_seq_len)."""
         committing = {c.lane_tag for c in plan.commits}
-        retiring = {r.lane_tag for r in plan.retires}
+        retiring = self._retiring_live(plan)
         rounds: dict[int, int] = {}
         for i, d in enumerate(plan.decodes):
             f = f"decodes[{i}]"
@@ -418,6 +418,11 @@ class Executor:
             room = max(0, self.desc.max_seq_len - committed)
             rounds[d.lane_tag] = max(1, min(d.max_new_tokens, room)) if d.max_new_tokens else 0
         return rounds
+
+    def _retiring_live(self, plan: TickPlan) -> set[int]:
+        # A retired faulted tag may be re-admitted, prefilled and decoded in
+        # the same plan (retires run first); only a live lane's retire clashes.
+        return {r.lane_tag for r in plan.retires if r.lane_tag in self.lanes}
 
     def _check_retires(self, plan: TickPlan) -> None:
         for i, r in enumerate(plan.retires):
@@ -518,7 +523,7 @@ class Executor:
             h.update(repr(xs).encode())
 
         put(self.last_plan_seq, self.tick_count, self._nonce, sorted(self.faulted), sorted(self.inject_fault.items()),
-            sorted(self.biases), self.next_handle, len(self.completions), len(self.pending_shed))
+            sorted(self.biases), self.next_handle, len(self.pending_shed))
         for tag in sorted(self.lanes):
             ln = self.lanes[tag]
             put(tag, ln.seq, ln.sampling, tuple(ln.params), ln.rng_base, ln.rng_counter, ln.prompt, ln.prefill_end,
@@ -713,6 +718,7 @@ class _Tick:
             if take:
                 work.append([p.lane_tag, p.token_offset, p.token_offset + take])
         cap = self._step_cap()
+        max_feeds = max(1, ex.desc.max_batch)  # the runtime refuses larger steps
         ran = 0
         stepped = False
         checkpoints: list[int] = []
@@ -729,7 +735,7 @@ class _Tick:
             left = cap
             for w in work:
                 tag, nxt, end = w
-                if nxt >= end or left == 0:
+                if nxt >= end or left == 0 or len(feeds) == max_feeds:
                     continue
                 lane = ex.lanes.get(tag)
                 if lane is None:  # faulted in an earlier step of this tick
@@ -940,8 +946,13 @@ class _Tick:
                 else:
                     row = self.rows.pop(tag)
                     if lane.sampling == _HOST:
-                        lane.pending_row = PendingRow(ex._fresh_nonce(), ex.rings.write_logits(row))
                         remaining.pop(tag, None)
+                        try:
+                            ref = ex.rings.write_logits(row)
+                        except RefError:
+                            self.fault(tag, Fault.REF_SPAN_OOB)
+                            continue
+                        lane.pending_row = PendingRow(ex._fresh_nonce(), ref)
                         continue
                     token = self._host_pick(lane, row)
                 lane.committed.append(token)

@@ -10,10 +10,15 @@ import math
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
 from superfluid.abi.records import OpCompletion, ShedEntry
+from superfluid.engine.runtime import FatalError, RuntimeFailure
 from superfluid.executor import sampling as hs
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class OpError(Exception):
@@ -111,8 +116,12 @@ def _register_bias(ex, msg: dict) -> tuple[int, int, bytes]:
             raise OpError(OpStatus.BadRequest, "field 'bias': entries are [token, value] pairs") from None
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < ex.desc.vocab_size:
             raise OpError(OpStatus.BadRequest, f"field 'bias': token {tid!r} is outside the vocabulary")
-        if not isinstance(val, (int, float)) or isinstance(val, bool) or math.isnan(val) or val == math.inf:
-            raise OpError(OpStatus.BadRequest, f"field 'bias': value {val!r} of token {tid} (finite, or -inf to ban)")
+        # Stored as float32: a value beyond its range would turn into +inf,
+        # which greedy reads as "force" but the sampler as "never".
+        if (not isinstance(val, (int, float)) or isinstance(val, bool) or math.isnan(val)
+                or (val != -math.inf and abs(val) > _F32_MAX)):
+            raise OpError(OpStatus.BadRequest, f"field 'bias': value {val!r} of token {tid} "
+                                               f"(|v| <= {_F32_MAX:.4g}, or -inf to ban)")
         ids.append(tid)
         vals.append(float(val))
     if len(set(ids)) != len(ids):
@@ -147,7 +156,13 @@ def _cache_clear(ex, msg: dict) -> tuple[int, int, bytes]:
     freed = 0
     for e in ex.cache.lru():
         ex.cache.remove(e.seq)
-        ex.runtime.seq_free(e.seq)
+        try:
+            ex.runtime.seq_free(e.seq)
+        except FatalError as err:
+            # The worker's fatal path; in-process the executor refuses ticks from now on.
+            raise OpError(OpStatus.Refused, str(ex._fatal("CACHE_CLEAR", err))) from err
+        except RuntimeFailure:
+            pass  # the runtime holds nothing more of it that we could free
         # Reported in the next tick's shed report, so the counters reconcile.
         ex.pending_shed.append(ShedEntry(lane_tag=0, kind=int(ShedKind.CACHE_EVICTION),
                                          reason=int(ShedReason.CLEARED), bytes=e.bytes, tokens=len(e.tokens)))

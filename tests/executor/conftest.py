@@ -1,0 +1,663 @@
+"""Helpers shared by the executor tests: executors over the fake runtime, a
+deep snapshot of everything a tick may change (to prove a reject changed
+nothing, independently of Executor.state_digest), the per-tick invariants,
+and a model planner that drives an executor with random VALID plans."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from superfluid.abi import (
+    AdmitStatus,
+    CacheClass,
+    Fault,
+    Finish,
+    PlanFlag,
+    Sampling,
+    ShedKind,
+    ShedReason,
+    Status,
+    TickStatus,
+)
+from superfluid.abi.records import RingRef, SamplingParams
+from superfluid.client.builder import PlanBuilder, sampling_params
+from superfluid.engine import sampling as engine_sampling
+from superfluid.engine.fake import FakeRuntime
+from superfluid.executor.executor import Executor, TickResult
+from superfluid.executor.rings import LocalRings
+
+GREEDY, SAMPLE, HOST = int(Sampling.GPU_GREEDY), int(Sampling.GPU_SAMPLE), int(Sampling.HOST)
+BIG_BUDGET = 1 << 20
+
+# ---------------------------------------------------------------- building
+
+
+def fake(**kw: Any) -> FakeRuntime:
+    """A small fake runtime: vocab 64, max_seq_len 64, page 4 unless told."""
+    opts: dict[str, Any] = dict(vocab_size=64, max_seq_len=64, page=4)
+    opts.update(kw)
+    return FakeRuntime(**opts)
+
+
+def small_rings() -> LocalRings:
+    """Rings big enough for these tests and cheap to allocate (the default is 24 MiB)."""
+    return LocalRings(prompt_tokens=1 << 14, emit_tokens=1 << 14, logits_floats=1 << 16)
+
+
+def make_executor(rt: FakeRuntime | None = None, *, rings: LocalRings | None = None,
+                  **ex_kw: Any) -> Executor:
+    return Executor(rt if rt is not None else fake(), rings or small_rings(), **ex_kw)
+
+
+def put(ex: Executor, tokens) -> RingRef:
+    """Write a prompt into the executor's prompt ring; its reference."""
+    return ex.rings.prompt.write(np.asarray(list(tokens), dtype=np.uint32))
+
+
+def emitted(ex: Executor, emit) -> list[int]:
+    if emit.n_tokens == 0:
+        return []
+    return ex.rings.tokens.read(emit.token_ref).tolist()
+
+
+def emit_of(result: TickResult, tag: int):
+    got = [e for e in result.events.emits if e.lane_tag == tag]
+    assert len(got) == 1, f"lane {tag}: {len(got)} emits in {result.events.emits}"
+    return got[0]
+
+
+def admit_and_prefill(ex: Executor, seq: int, tag: int, tokens, *, decode: int | None = None,
+                      **admit_kw: Any) -> TickResult:
+    """One tick: admit `tag` with `tokens`, prefill all of it (and decode)."""
+    ref = put(ex, tokens)
+    b = PlanBuilder(seq, prefill_token_budget=BIG_BUDGET).admit(tag, ref, **admit_kw)
+    b.prefill(tag, 0, len(tokens) - admit_kw.get("decode_replay", 0))
+    if decode is not None:
+        b.decode(tag, decode)
+    r = ex.tick(b.build())
+    assert r.status == Status.OK, r.message
+    return r
+
+
+# ---------------------------------------------------------------- snapshot
+
+
+def _lane_state(lane) -> tuple:
+    return (lane.tag, lane.seq, lane.sampling, tuple(lane.params), lane.rng_base, lane.rng_counter,
+            tuple(lane.prompt), lane.prefill_end, lane.prefilled, tuple(lane.committed), lane.pending_input,
+            None if lane.pending_row is None else (lane.pending_row.nonce, tuple(lane.pending_row.ref)),
+            lane.finished, lane.logprobs_top, lane.granted_class, lane.bias is None)
+
+
+def snapshot(ex: Executor) -> dict[str, Any]:
+    """Everything a tick may change, copied: executor fields, lanes, cache
+    entries, the runtime's sequences (their tokens, on the fake), its
+    counters and call statistics, and the heads of the rings the executor
+    writes. A rejected plan must leave every part equal."""
+    rt = ex.runtime
+    snap: dict[str, Any] = dict(
+        digest=ex.state_digest(),
+        last_plan_seq=ex.last_plan_seq, tick_count=ex.tick_count, nonce=ex._nonce,
+        faulted=sorted(ex.faulted), inject=sorted(ex.inject_fault.items()), biases=sorted(ex.biases),
+        next_handle=ex.next_handle, pending_shed=list(ex.pending_shed),
+        lanes={t: _lane_state(ln) for t, ln in ex.lanes.items()},
+        cache=sorted(dataclasses.astuple(e) for e in ex.cache),
+        mem=rt.mem_counters(),
+        token_head=ex.rings.tokens.head, logits_head=ex.rings.logits.head,
+        tokens_emitted=ex.tokens_emitted, dead=ex.dead,
+    )
+    if isinstance(rt, FakeRuntime):
+        snap["seqs"] = {s: rt.seq_tokens(s) for s in rt.live_seqs()}
+        snap["stats"] = dataclasses.replace(rt.stats)
+    return snap
+
+
+def assert_unchanged(before: dict[str, Any], after: dict[str, Any]) -> None:
+    diff = [k for k in before if before[k] != after[k]]
+    assert not diff, {k: (before[k], after[k]) for k in diff}
+
+
+def assert_reject(ex: Executor, plan, status: Status, field: str) -> TickResult:
+    """Tick a plan that must be refused with `status`, naming `field`, and
+    change nothing."""
+    before = snapshot(ex)
+    r = ex.tick(plan)
+    assert r.status == status, (r.status, r.message)
+    assert r.message.startswith(field + ": "), f"expected field {field!r}, got {r.message!r}"
+    assert r.events.status == int(status)
+    assert r.events.message == r.message.encode()
+    assert not r.events.emits and not r.events.admit_results and not r.events.faults
+    assert_unchanged(before, snapshot(ex))
+    return r
+
+
+# ---------------------------------------------------------------- invariants
+
+
+def check_invariants(ex: Executor) -> None:
+    """What must hold between any two ticks, whatever ran."""
+    rt = ex.runtime
+    mem = rt.mem_counters()
+    # Cell conservation: every runtime sequence is a live lane's or a cache entry's.
+    assert mem.seqs == len(ex.lanes) + len(ex.cache), (mem, len(ex.lanes), len(ex.cache))
+    seqs = [ln.seq for ln in ex.lanes.values()] + [e.seq for e in ex.cache]
+    assert len(set(seqs)) == len(seqs), "two owners of one sequence"
+    if isinstance(rt, FakeRuntime):
+        assert sorted(seqs) == rt.live_seqs()
+    assert not (set(ex.lanes) & ex.faulted), "a lane both live and faulted"
+    for tag, ln in ex.lanes.items():
+        # Forward-once: the sequence holds the committed tokens less the pending one.
+        held = len(ln.committed) - (ln.pending_input is not None)
+        assert rt.seq_len(ln.seq) == held, (tag, rt.seq_len(ln.seq), len(ln.committed), ln.pending_input)
+        if isinstance(rt, FakeRuntime):
+            assert rt.seq_tokens(ln.seq) == tuple(ln.committed[:held]), tag
+        if ln.pending_input is not None:
+            assert ln.committed[-1] == ln.pending_input
+        assert ln.committed[:min(len(ln.committed), len(ln.prompt))] == ln.prompt[:len(ln.committed)]
+        assert len(ln.committed) <= ex.desc.max_seq_len
+        assert ln.prefilled <= ln.prefill_end
+        if ln.pending_row is not None:
+            assert ln.sampling == HOST and not ln.finished
+    page = max(1, ex.desc.page)
+    for e in ex.cache:
+        assert rt.seq_len(e.seq) == len(e.tokens)
+        if isinstance(rt, FakeRuntime):
+            assert rt.seq_tokens(e.seq) == e.tokens
+        if not ex.desc.exact_only:
+            assert len(e.tokens) % page == 0 and len(e.tokens) > 0
+        assert e.bytes == len(e.tokens) * rt.cell_bytes()
+    if mem.cells_total:
+        assert mem.cells_used <= mem.cells_total
+
+
+def check_events(ex: Executor, plan, r: TickResult) -> None:
+    """What an accepted tick's events must say (SPEC §2, §4)."""
+    ev = r.events
+    assert r.status == Status.OK and ev.status == int(Status.OK)
+    assert ev.plan_seq == plan.plan_seq
+    shed = ev.shed
+    chunks = [s for s in shed.entries if s.kind == int(ShedKind.PREFILL_CHUNK)]
+    evictions = [s for s in shed.entries if s.kind == int(ShedKind.CACHE_EVICTION)]
+    assert len(chunks) + len(evictions) == len(shed.entries)
+    assert shed.prefill_chunks_dropped == len(chunks)
+    assert shed.evictions_performed == len(evictions)
+    assert shed.bytes_evicted == sum(s.bytes for s in evictions)
+    assert all(s.lane_tag == 0 for s in evictions)
+    assert all(s.tokens > 0 for s in chunks)
+    want = (TickStatus.LANE_ERRORS if ev.faults else
+            TickStatus.SHED if shed.prefill_chunks_dropped or shed.evictions_performed else TickStatus.OK)
+    assert ev.tick_status == int(want)
+    assert [a.lane_tag for a in ev.admit_results] == [a.lane_tag for a in plan.admits]
+    assert all(a.status == int(AdmitStatus.ADMITTED) for a in ev.admit_results)
+    decoded = [d.lane_tag for d in plan.decodes]
+    faulted = {f.lane_tag for f in ev.faults}
+    assert len(faulted) == len(ev.faults), "a lane faulted twice in one tick"
+    emits = [e.lane_tag for e in ev.emits]
+    assert len(set(emits)) == len(emits), "two emits for one lane"
+    # Every emit is a decoded lane's; every decoded lane that did not fault has one.
+    assert set(emits) <= set(decoded)
+    assert set(emits) == set(decoded) - faulted
+    grants = {d.lane_tag: d.max_new_tokens for d in plan.decodes}
+    for e in ev.emits:
+        lane = ex.lanes[e.lane_tag]
+        assert e.n_tokens <= grants[e.lane_tag]
+        if lane.sampling == HOST:
+            assert e.n_tokens == 0
+            if e.logits_row.ring_id:
+                assert lane.pending_row is not None and lane.pending_row.nonce == e.logits_nonce
+                row = ex.rings.logits.read(e.logits_row)
+                assert row.shape == (ex.desc.vocab_size,) and row.dtype == np.float32
+        else:
+            toks = emitted(ex, e)
+            assert len(toks) == e.n_tokens
+            assert all(0 <= t < ex.desc.vocab_size for t in toks)
+            if toks:
+                assert lane.committed[-len(toks):] == toks
+        if e.finish == int(Finish.EOS):
+            assert ex.runtime.is_eos(lane.committed[-1]) and lane.finished
+        elif e.finish == int(Finish.LENGTH):
+            assert len(lane.committed) >= ex.desc.max_seq_len and lane.finished
+        else:
+            assert e.finish == int(Finish.NONE)
+    m = ev.mem
+    mc = ex.runtime.mem_counters()
+    assert m.pool_blocks_used == mc.cells_used // max(1, ex.desc.page)
+    assert m.allocated_bytes == mc.allocated_bytes
+
+
+# ---------------------------------------------------------------- the planner model
+
+
+@dataclasses.dataclass
+class LaneModel:
+    """The planner's view of one lane."""
+
+    tag: int
+    prompt: list[int]
+    replay: int
+    sampling: int
+    params: SamplingParams
+    base: int
+    prefilled: int = 0
+    finished: bool = False
+    faulted: bool = False
+    nonce: int | None = None  # a pending logits row's nonce (HOST)
+    row: np.ndarray | None = None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: int = 0  # want_logprobs
+
+    @property
+    def prefill_end(self) -> int:
+        return len(self.prompt) - self.replay
+
+
+Draw = Callable[[Any], Any]
+
+
+class Planner:
+    """Drives an executor with random valid plans and checks every tick.
+
+    `draw` is hypothesis' data.draw; the planner keeps its own view of every
+    lane (what it admitted, how far prefill got, the pending rows it must
+    commit) from the events alone, and compares it with the executor after
+    each tick."""
+
+    def __init__(self, ex: Executor, draw: Draw, *, solo_check: bool = False,
+                 solo_kwargs: dict[str, Any] | None = None):
+        self.ex = ex
+        self.draw = draw
+        self.seq = 0
+        self.lanes: dict[int, LaneModel] = {}
+        self.retired: set[int] = set()
+        self.next_tag = 1
+        self.stats: Counter[str] = Counter()
+        self.op_injected: dict[int, int] = {}  # tag -> fault code, from op INJECT_FAULT
+        self.rt_injected: set[int] = set()  # tags whose sequence has a fake fault pending
+        self.pending_clear = 0  # CACHE_CLEAR evictions the next tick must report
+        self.solo_check = solo_check
+        self.solo_kwargs = solo_kwargs or {}
+        self.replan = False
+        self.taken: set[int] = set()
+        self.partials: list[tuple[int, int, int, int]] = []
+        ex.partial_sink = lambda seq, tag, tok, idx: self.partials.append((seq, tag, tok, idx))
+
+    # ------------------------------------------------------------ helpers
+
+    @property
+    def rt(self) -> FakeRuntime:
+        return self.ex.runtime  # type: ignore[return-value]
+
+    def live(self) -> list[LaneModel]:
+        return [m for m in self.lanes.values() if not m.faulted]
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def i(self, lo: int, hi: int) -> int:
+        return self.draw(st.integers(lo, hi))
+
+    def coin(self, p: float = 0.5, *, default: bool = False) -> bool:
+        """True with probability ~p; `default` is what the simplest draw (0)
+        gives, so a shrunk example does the ordinary thing."""
+        x = self.draw(st.integers(0, 999))
+        return x < int(p * 1000) if default else x >= 1000 - int(p * 1000)
+
+    def pick(self, xs: list):
+        return self.draw(st.sampled_from(xs))
+
+    # ------------------------------------------------------------ plans
+
+    def new_lane(self, *, long: bool = False) -> tuple[LaneModel, RingRef]:
+        vocab, limit = self.ex.desc.vocab_size, self.ex.desc.max_seq_len
+        n = self.i(limit * 2 // 3, limit) if long else self.i(1, min(24, limit))
+        eos = self.rt.vocabulary().eos
+        prompt = self.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+        prompt = [t if t not in eos else 0 for t in prompt]  # EOS in a prompt is fine, but keep it plain
+        sampling = self.pick([GREEDY, SAMPLE, HOST])
+        temp = self.pick([0.0, 0.7, 1.0, 1.5])  # GPU_GREEDY ignores it
+        params = sampling_params(temperature=temp, top_k=self.pick([0, 5]), top_p=self.pick([0.0, 0.9]),
+                                 min_p=self.pick([0.0, 0.05]), ignore_eos=self.coin(0.3))
+        if self.coin(0.2):  # penalties: the executor samples the lane on the host, over its history
+            params = params._replace(repeat_penalty=self.pick([1.0, 1.3]), presence_penalty=self.pick([0.0, 0.5]),
+                                     freq_penalty=self.pick([0.0, 0.25]))
+        replay = self.i(0, n - 1) if self.coin(0.3) else 0
+        # Tags come back: a retired lane's, or a faulted lane's not yet retired (its
+        # admit replaces it); else a fresh one.
+        reuse = sorted(self.retired - set(self.lanes) - self.taken)
+        faulted = sorted(m.tag for m in self.lanes.values() if m.faulted and m.tag not in self.taken)
+        if reuse and self.coin(0.25):
+            tag = self.pick(reuse)
+        elif faulted and self.coin(0.2):
+            tag = self.pick(faulted)
+        else:
+            tag, self.next_tag = self.next_tag, self.next_tag + 1
+        self.taken.add(tag)
+        m = LaneModel(tag, prompt, replay, sampling, params, base=self.i(0, 1 << 40))
+        if sampling != HOST and self.coin(0.25):
+            m.logprobs = self.pick([1, 2, 5])
+        return m, put(self.ex, prompt)
+
+    def random_plan(self, *, allow_admits: bool = True,
+                    pressure: bool = False) -> tuple[PlanBuilder, dict[str, Any]]:
+        """A random plan the executor must accept (or answer NeedsReplan).
+        pressure: it also admits and prefills a long prompt, allowing the
+        cache to be evicted for it (a full pool makes room that way)."""
+        ex = self.ex
+        desc = ex.desc
+        budget = BIG_BUDGET if pressure or self.coin(0.6, default=True) else self.i(0, 12)
+        evict = pressure or self.coin(0.5)
+        cap = 1 << 40 if pressure else self.pick([1 << 40, self.i(0, 4096)]) if evict else 0
+        quota = self.pick([0, 0, self.i(0, 4096)]) if evict and not pressure else 0
+        b = PlanBuilder(self.next_seq(), prefill_token_budget=budget,
+                        evictable_cache_classes=int(CacheClass.RESIDENT_PREFIX_CLASS) if evict else 0,
+                        max_evict_bytes=cap, protected_quota_bytes=quota)
+        meta: dict[str, Any] = dict(new={}, grants={}, prefill={}, replay_left={})
+        used: set[int] = set()  # tags with a prefill, decode or commit: not retired in this plan
+        self.taken = set()  # tags admitted in this plan
+        # Retires first (their lanes then take part in nothing else): faulted and
+        # finished lanes mostly, now and then one in the middle of its work.
+        for m in list(self.lanes.values()):
+            if self.coin(0.6 if m.faulted or m.finished else 0.4 if self.replan else 0.06):
+                b.retire(m.tag, publish_to_cache=self.coin(0.5))
+        self.replan = False
+        retiring = {r.lane_tag for r in b.retires}
+        # (A faulted tag retired here is not re-admitted in the same plan: the executor
+        # refuses to prefill or decode a tag the plan also retires, even a new lane's.)
+        self.taken = set(retiring)
+        # Admits.
+        if allow_admits and len(self.lanes) < 10:
+            for _ in range(self.pick([1, 0, 0, 1, 2])):
+                m, ref = self.new_lane()
+                b.admit(m.tag, ref, sampling=m.sampling, params=m.params, rng_counter_base=m.base,
+                        decode_replay=m.replay, want_logprobs=m.logprobs)
+                meta["new"][m.tag] = m
+        if pressure:
+            m, ref = self.new_lane(long=True)
+            m.replay = 0
+            b.admit(m.tag, ref, sampling=m.sampling, params=m.params, rng_counter_base=m.base,
+                    want_logprobs=m.logprobs)
+            b.prefill(m.tag, 0, len(m.prompt))
+            meta["new"][m.tag] = m
+            meta["prefill"][m.tag] = (0, len(m.prompt))
+            used.add(m.tag)
+        cands = [m for m in self.live() if m.tag not in retiring] + list(meta["new"].values())
+        # Prefills, in a random order, each lane from where it is: often all of
+        # the rest, sometimes a chunk.
+        left = budget
+        reached: dict[int, int] = {}
+        order = [m for m in cands if m.prefilled < m.prefill_end and m.tag not in meta["prefill"]]
+        if pressure:
+            m = meta["new"][b.prefills[0].lane_tag]
+            reached[m.tag] = left = min(len(m.prompt), budget)
+            left = budget - left
+        order = self.draw(st.permutations(order)) if order else []
+        for m in order:
+            if not self.coin(0.8, default=True):
+                continue
+            rest = m.prefill_end - m.prefilled
+            count = rest if self.coin(0.5, default=True) else self.i(0, rest)
+            b.prefill(m.tag, m.prefilled, count)
+            take = min(count, left)
+            left -= take
+            reached[m.tag] = m.prefilled + take
+            meta["prefill"][m.tag] = (m.prefilled, count)
+            used.add(m.tag)
+        # Commits: HOST lanes with a pending row.
+        committing: set[int] = set()
+        for m in cands:
+            if m.sampling != HOST or m.nonce is None or m.finished:
+                continue
+            if self.coin(0.85, default=True):
+                greedy = self.coin(0.5, default=True)
+                tok = engine_sampling.greedy(m.row) if greedy else self.i(0, desc.vocab_size - 1)
+                b.commit(m.tag, tok, m.nonce)
+                committing.add(m.tag)
+                used.add(m.tag)
+        # Decodes: lanes whose prefill is complete by the end of this tick.
+        for m in cands:
+            if len(b.decodes) >= desc.max_batch or m.finished:
+                continue
+            if reached.get(m.tag, m.prefilled) != m.prefill_end:
+                continue
+            if m.sampling == HOST and m.nonce is not None and m.tag not in committing:
+                continue
+            if not self.coin(0.85, default=True):
+                continue
+            grant = 1 if m.sampling == HOST else self.pick([3, 0, 1, 2, 5, 8, 13])
+            b.decode(m.tag, grant)
+            meta["grants"][m.tag] = grant
+            used.add(m.tag)
+            lane = ex.lanes.get(m.tag)
+            meta["replay_left"][m.tag] = m.replay if lane is None else max(
+                0, len(lane.prompt) - max(len(lane.committed), lane.prefill_end))
+        if self.coin(0.2) and b.decodes:
+            b.max_decode_lanes = self.i(len(b.decodes), desc.max_batch)
+        if not b.admits and self.coin(0.1):
+            b.flags |= int(PlanFlag.DRAIN)
+        if self.coin(0.3):
+            b.flags |= int(PlanFlag.PARTIAL_EMITS)
+        assert not (used & retiring)
+        return b, meta
+
+    def publish_one(self) -> None:
+        """Retire the live lane holding the most cells, publishing it to the cache."""
+        live = [m for m in self.live() if m.tag in self.ex.lanes]
+        if not live:
+            return
+        m = max(live, key=lambda m: self.rt.seq_len(self.ex.lanes[m.tag].seq))
+        self.tick(PlanBuilder(self.next_seq()).retire(m.tag, publish_to_cache=True))
+
+    # ------------------------------------------------------------ ticking
+
+    def tick(self, b: PlanBuilder, meta: dict[str, Any] | None = None, *, yield_: bool = False,
+             as_bytes: bool = False) -> TickResult:
+        """Tick a valid plan; check the events and the invariants; update the model."""
+        ex = self.ex
+        meta = meta or dict(new={}, grants={}, prefill={}, replay_left={})
+        plan = b.build()
+        before = snapshot(ex)
+        ex.rings.yield_flag = yield_
+        self.partials = []
+        try:
+            r = ex.tick(b.encode() if as_bytes else plan)
+        finally:
+            ex.rings.yield_flag = False
+        if r.status == Status.NeedsReplan:
+            # The check is conservative; a plan that does not fit changes nothing.
+            assert ex.runtime.mem_counters().cells_total or ex.desc.max_seqs, r.message
+            assert_unchanged(before, snapshot(ex))
+            self.stats["needs_replan"] += 1
+            self.seq -= 1  # plan_seq did not move
+            self.replan = True  # the next plan makes room, as a planner would
+            return r
+        assert r.status == Status.OK, f"a valid plan was refused: {r.message}"
+        self.stats["ok"] += 1
+        ev = r.events
+        check_events(ex, plan, r)
+        check_invariants(ex)
+        if yield_:
+            self.stats["yield"] += 1
+        # Faults: only lanes with an injection pending, or their step's company.
+        for f in ev.faults:
+            assert f.code in (int(Fault.INTERNAL), int(Fault.INJECTED)), f"unexpected fault {f}"
+            self.stats[f"fault_{f.code}"] += 1
+        if ev.faults:
+            fault_tags = {f.lane_tag for f in ev.faults}
+            assert fault_tags & (self.rt_injected | set(self.op_injected)), (ev.faults, self.rt_injected)
+        for tag in self.op_injected:
+            if tag in meta["grants"] and tag not in {f.lane_tag for f in ev.faults}:
+                raise AssertionError(f"lane {tag} decoded with an injected fault pending, and did not fault")
+        # Shed report.
+        shed_by_lane: Counter[int] = Counter()
+        for s in ev.shed.entries:
+            if s.kind == int(ShedKind.PREFILL_CHUNK):
+                shed_by_lane[s.lane_tag] += s.tokens
+                self.stats[f"shed_reason_{s.reason}"] += 1
+            else:
+                self.stats[f"evict_reason_{s.reason}"] += 1
+        assert ev.shed.evictions_performed >= self.pending_clear
+        self.pending_clear = 0
+        # Budget shedding is exactly what the check computed: each chunk takes
+        # what is left of prefill_token_budget, in plan order; the rest is one
+        # PREFILL_CHUNK entry (BUDGET). Only a yield sheds more (YIELD).
+        left, want_budget = plan.prefill_token_budget, {}
+        for x in plan.prefills:
+            take = min(x.token_count, left)
+            left -= take
+            if x.token_count > take:
+                want_budget[x.lane_tag] = x.token_count - take
+        got_budget = {s.lane_tag: s.tokens for s in ev.shed.entries
+                      if s.kind == int(ShedKind.PREFILL_CHUNK) and s.reason == int(ShedReason.BUDGET)}
+        assert got_budget == want_budget, (got_budget, want_budget)
+        if not yield_:
+            assert dict(shed_by_lane) == want_budget
+        # Retires.
+        for rr in plan.retires:
+            m = self.lanes.pop(rr.lane_tag)
+            self.retired.add(rr.lane_tag)
+            self.op_injected.pop(rr.lane_tag, None)
+            self.rt_injected.discard(rr.lane_tag)
+            self.stats["retire_publish" if rr.publish_to_cache else "retire"] += 1
+            if self.solo_check and not m.faulted:
+                self.solo(m)
+        # Commits.
+        for c in plan.commits:
+            m = self.lanes[c.lane_tag]
+            m.nonce, m.row = None, None
+            m.generated.append(c.token_id)
+            self.stats["commit"] += 1
+        # Admits.
+        for tag, m in meta["new"].items():
+            self.lanes[tag] = m
+        # Prefill progress: what was planned less what was shed.
+        for tag, (off, count) in meta["prefill"].items():
+            m = self.lanes[tag]
+            m.prefilled = off + count - shed_by_lane.get(tag, 0)
+            assert m.prefilled >= off
+        # Faults.
+        for f in ev.faults:
+            m = self.lanes[f.lane_tag]
+            m.faulted = True
+            m.nonce = m.row = None
+            self.op_injected.pop(f.lane_tag, None)
+            self.rt_injected.discard(f.lane_tag)
+        # Emits.
+        for e in ev.emits:
+            m = self.lanes[e.lane_tag]
+            grant = meta["grants"][e.lane_tag]
+            replay_left = meta["replay_left"][e.lane_tag]
+            expect = max(0, grant - replay_left)
+            if m.sampling == HOST:
+                if e.logits_row.ring_id:
+                    m.nonce = e.logits_nonce
+                    m.row = ex.rings.logits.read(e.logits_row)
+                    self.stats["host_row"] += 1
+                elif not yield_ and e.finish == int(Finish.NONE):
+                    assert expect == 0, f"HOST lane {m.tag} got no row"
+            else:
+                toks = emitted(ex, e)
+                m.generated.extend(toks)
+                self.stats["tokens"] += len(toks)
+                if not yield_ and e.finish == int(Finish.NONE):
+                    assert len(toks) == expect, (m.tag, grant, replay_left, len(toks))
+                else:
+                    assert len(toks) <= expect
+            if e.finish != int(Finish.NONE):
+                m.finished = True
+                self.stats[f"finish_{e.finish}"] += 1
+        # Logprobs: one record per emitted token of a lane that asked, in order.
+        by_lane: dict[int, list] = {}
+        for lp in ev.logprobs:
+            by_lane.setdefault(lp.lane_tag, []).append(lp)
+        assert set(by_lane) <= {d.lane_tag for d in plan.decodes}
+        for e in ev.emits:
+            m = self.lanes[e.lane_tag]
+            recs = by_lane.get(e.lane_tag, [])
+            if not m.logprobs or m.sampling == HOST:
+                assert not recs
+                continue
+            toks = emitted(ex, e)
+            assert [(r.index, r.token_id) for r in recs] == list(enumerate(toks))
+            for rec in recs:
+                assert rec.logprob <= 0 and rec.n_top <= m.logprobs - 1
+                assert rec.token_id not in rec.top_ids[:rec.n_top]
+                self.stats["logprob"] += 1
+        # Partial emits (PARTIAL_EMITS): each emitted token streamed once, in order, as sampled.
+        streamed: dict[int, list[int]] = {}
+        for seq_, tag, tok, idx in self.partials:
+            assert seq_ == plan.plan_seq
+            assert idx == len(streamed.setdefault(tag, []))
+            streamed[tag].append(tok)
+        if not plan.flags & PlanFlag.PARTIAL_EMITS:
+            assert not streamed
+        else:
+            self.stats["partial"] += len(self.partials)
+            for e in ev.emits:
+                if self.lanes[e.lane_tag].sampling != HOST:
+                    assert streamed.get(e.lane_tag, []) == emitted(ex, e)
+        # The planner's view and the executor's agree.
+        assert {m.tag for m in self.live()} == set(ex.lanes)
+        assert {m.tag for m in self.lanes.values() if m.faulted} == ex.faulted
+        for m in self.live():
+            lane = ex.lanes[m.tag]
+            assert lane.prefilled == m.prefilled, (m.tag, lane.prefilled, m.prefilled)
+            assert lane.finished == m.finished
+            assert (lane.pending_row.nonce if lane.pending_row else None) == m.nonce
+            gen = lane.committed[len(lane.prompt):]
+            assert gen == m.generated, (m.tag, gen, m.generated)
+        return r
+
+    def solo(self, m: LaneModel) -> None:
+        """A non-HOST lane's tokens are those of the same lane run alone, in
+        one tick, on a fresh runtime (sampled on the other path: engine
+        sampling flipped), whatever batches, chunks and grants it went
+        through."""
+        if m.sampling == HOST or not m.generated:
+            return
+        kw = dict(self.solo_kwargs, cells_total=0, max_seqs=0, prefill_step_tokens=0)
+        flip = not self.ex.desc.engine_sampling
+        kw.update(engine_sampling=flip, engine_draws=flip)
+        ex = make_executor(FakeRuntime(**kw))
+        ref = put(ex, m.prompt)
+        b = PlanBuilder(1, prefill_token_budget=BIG_BUDGET).admit(
+            1, ref, sampling=m.sampling, params=m.params, rng_counter_base=m.base, decode_replay=m.replay)
+        b.prefill(1, 0, m.prefill_end).decode(1, m.replay + len(m.generated))
+        r = ex.tick(b.build())
+        assert r.status == Status.OK, r.message
+        assert emitted(ex, r.events.emits[0]) == m.generated, f"lane {m.tag} differs from its solo run"
+        self.stats["solo"] += 1
+
+    def teardown(self) -> None:
+        """Retire everything, clear the cache: every cell is free."""
+        ex = self.ex
+        for publish in (True, False):  # publishing needs a cell for the held-back token
+            b = PlanBuilder(self.next_seq())
+            for m in self.lanes.values():
+                b.retire(m.tag, publish_to_cache=publish and not m.faulted and self.coin(0.5))
+            if not b.retires:
+                self.seq -= 1
+                break
+            if self.tick(b).status == Status.OK:
+                break
+        assert not ex.lanes and not ex.faulted
+        done = ex.op({"op": "CACHE_CLEAR", "op_id": 99})
+        assert done.status == 0
+        n = len(ex.pending_shed)
+        r = self.tick(PlanBuilder(self.next_seq()))
+        assert r.events.shed.evictions_performed == n
+        mem = ex.runtime.mem_counters()
+        assert mem.cells_used == 0 and mem.seqs == 0, mem
+        assert len(ex.cache) == 0
+
+
+@pytest.fixture
+def ex() -> Executor:
+    """An executor over a small fake (vocab 64, max_seq_len 64, page 4)."""
+    return make_executor(fault_injection=True)

@@ -1,0 +1,242 @@
+"""A hypothesis state machine plays planner against the executor on the fake
+runtime with random VALID plans: admits (greedy, sampled, HOST), chunked
+prefills under a token budget, decodes with random grants, host commits of
+the emitted rows, retires with and without publish, cache evictions in a
+small pool, injected faults (on the runtime and by op), yields, cache
+clears. After every tick (conftest.Planner.tick, check_events,
+check_invariants): cells are conserved and forward-once holds, the shed
+report reconciles, no lane is lost, every emit is a decoded lane's, the
+tick status is SPEC §4's, and the planner's view of each lane equals the
+executor's. A retired lane's tokens equal a solo run of it. At teardown
+every cell is free."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from superfluid.abi import CacheClass, Fault, OpStatus, ShedKind, ShedReason, Status, TickStatus
+from superfluid.client.builder import PlanBuilder, sampling_params
+from superfluid.engine.fake import FakeRuntime
+from superfluid.executor.executor import Executor
+
+from tests.executor.conftest import (
+    BIG_BUDGET,
+    Planner,
+    admit_and_prefill,
+    check_invariants,
+    emit_of,
+    emitted,
+    fake,
+    make_executor,
+    put,
+    small_rings,
+)
+
+CONFIGS = [
+    # a small pool and few slots: NeedsReplan and evictions; prefill in steps of 4 (yields cut it)
+    dict(vocab_size=32, max_seq_len=48, page=4, cells_total=160, max_seqs=8, prefill_step_tokens=4,
+         eos_rate=0.05),
+    # engine sampling (step_sampled) and an unlimited pool
+    dict(vocab_size=32, max_seq_len=48, page=4, engine_sampling=True, engine_draws=True, eos_rate=0.05,
+         prefill_step_tokens=3, seed=7),
+    # a recurrent runtime: exact-length cache keys, no row from a prefill that completes
+    dict(vocab_size=40, max_seq_len=40, page=4, exact_only=True, cells_total=200, eos_rate=0.03),
+    # tiny pages in a tight pool: most publishes are kept, admits must evict them
+    dict(vocab_size=32, max_seq_len=32, page=2, cells_total=64, eos_rate=0.03, seed=3),
+    # short sequences (LENGTH finishes), big pages, a tiny pool
+    dict(vocab_size=32, max_seq_len=20, page=8, cells_total=96, max_batch=3, eos_rate=0.0,
+         prefill_step_tokens=5),
+]
+
+COVERAGE: Counter[str] = Counter()
+
+
+class TickMachine(RuleBasedStateMachine):
+    planner: Planner
+
+    cfg: int = 0  # which of CONFIGS (a subclass per config, see test_tick_machine)
+
+    @initialize(data=st.data(), cache_max_bytes=st.sampled_from([None, None, 4096]))
+    def setup(self, data, cache_max_bytes):
+        kw = CONFIGS[self.cfg]
+        rt = FakeRuntime(**kw)
+        ex = Executor(rt, small_rings(), fault_injection=True, cache_max_bytes=cache_max_bytes)
+        self.planner = Planner(ex, data.draw, solo_check=True, solo_kwargs=kw)
+        self.op_id = 0
+
+    @property
+    def ex(self) -> Executor:
+        return self.planner.ex
+
+    @rule(data=st.data())
+    def tick(self, data):
+        p = self.planner
+        p.draw = data.draw
+        b, meta = p.random_plan()
+        p.tick(b, meta, yield_=p.coin(0.15), as_bytes=p.coin(0.2))
+
+    @rule(data=st.data())
+    def tick_again(self, data):  # ticks are what matters: give them more weight
+        self.tick(data)
+
+    @rule(data=st.data())
+    def pressure(self, data):
+        """A long prompt admitted and prefilled at once, the cache evictable for it."""
+        p = self.planner
+        p.draw = data.draw
+        if not len(self.ex.cache):
+            p.publish_one()  # something to evict
+        b, meta = p.random_plan(pressure=True)
+        p.tick(b, meta)
+
+    @precondition(lambda self: any(not m.faulted for m in self.planner.lanes.values()))
+    @rule(data=st.data())
+    def inject_runtime_fault(self, data):
+        """The fake fails the next step that feeds this lane's sequence (and
+        so every lane of that step)."""
+        p = self.planner
+        p.draw = data.draw
+        m = p.pick(p.live())
+        p.rt.inject_fault(self.ex.lanes[m.tag].seq, code=int(Fault.INTERNAL))
+        p.rt_injected.add(m.tag)
+
+    @precondition(lambda self: any(not m.faulted for m in self.planner.lanes.values()))
+    @rule(data=st.data())
+    def inject_fault_op(self, data):
+        """Op INJECT_FAULT: the lane faults at its next decode."""
+        p = self.planner
+        p.draw = data.draw
+        m = p.pick(p.live())
+        self.op_id += 1
+        done = self.ex.op({"op": "INJECT_FAULT", "op_id": self.op_id, "lane_tag": m.tag,
+                           "code": int(Fault.INJECTED)})
+        assert done.status == int(OpStatus.OK) and done.op_id == self.op_id
+        p.op_injected[m.tag] = int(Fault.INJECTED)
+
+    @rule(data=st.data())
+    def cache_clear(self, data):
+        self.planner.draw = data.draw
+        if not self.planner.coin(0.3):
+            return
+        ex = self.ex
+        n = len(ex.cache)
+        self.op_id += 1
+        done = ex.op({"op": "CACHE_CLEAR", "op_id": self.op_id})
+        assert done.status == int(OpStatus.OK)
+        assert len(ex.cache) == 0
+        self.planner.pending_clear = len(ex.pending_shed)
+        if n:
+            self.planner.stats["cache_clear"] += 1
+
+    @invariant()
+    def invariants(self):
+        if hasattr(self, "planner"):
+            check_invariants(self.ex)
+
+    def teardown(self):
+        if hasattr(self, "planner"):
+            self.planner.teardown()
+            COVERAGE.update(self.planner.stats)
+
+
+def test_tick_machine():
+    COVERAGE.clear()
+    for cfg in range(len(CONFIGS)):
+        machine = type(f"TickMachine{cfg}", (TickMachine,), {"cfg": cfg})
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=25, stateful_step_count=40, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    # The run did what it is for (hypothesis explores; these are the things it must have met).
+    for what in ("ok", "tokens", "commit", "host_row", "retire", "retire_publish", "yield", "solo",
+                 f"fault_{int(Fault.INTERNAL)}", f"fault_{int(Fault.INJECTED)}", "shed_reason_1",
+                 "needs_replan",
+                 "evict_reason_3", "finish_1", "finish_2"):
+        assert COVERAGE[what] > 0, (what, COVERAGE)
+
+
+# ---------------------------------------------------------------- scenarios the machine meets rarely
+
+
+def test_yield_cuts_prefill_between_steps_and_decode_after_one_round():
+    ex = make_executor(fake(prefill_step_tokens=4))
+    plain = sampling_params(ignore_eos=True)
+    admit_and_prefill(ex, 1, 1, [1, 2, 3], decode=1, params=plain)
+    ex.rings.yield_flag = True
+    b = PlanBuilder(2, prefill_token_budget=BIG_BUDGET).admit(2, put(ex, range(10)), params=plain)
+    b.prefill(2, 0, 10)
+    r = ex.tick(b.decode(1, 5).build())
+    ex.rings.yield_flag = False
+    assert r.ok and r.events.tick_status == int(TickStatus.SHED)
+    (e,) = r.events.shed.entries  # one step of 4 ran, the rest of the chunk is shed
+    assert (e.lane_tag, e.kind, e.reason, e.tokens) == (
+        2, int(ShedKind.PREFILL_CHUNK), int(ShedReason.YIELD), 6)
+    assert ex.lanes[2].prefilled == 4
+    assert emit_of(r, 1).n_tokens == 1  # one decode round, then the yield
+    check_invariants(ex)
+    # nothing lost: lane 1 goes on from its pending token, lane 2 from token 4
+    r = ex.tick(PlanBuilder(3, prefill_token_budget=BIG_BUDGET).prefill(2, 4, 6).decode(2, 2).decode(1, 4)
+                .build())
+    assert r.ok and emit_of(r, 1).n_tokens == 4 and emit_of(r, 2).n_tokens == 2
+    check_invariants(ex)
+
+
+def test_exact_only_runtime_checkpoints_a_long_prompt():
+    """On a recurrent runtime a prompt of >= 128 tokens is kept one token
+    short of its end; the lane's tokens are those of a paged runtime."""
+    prompt = [(i * 7) % 60 for i in range(130)]
+    ex = make_executor(fake(exact_only=True, max_seq_len=256))
+    r = admit_and_prefill(ex, 1, 1, prompt, decode=5)
+    (entry,) = list(ex.cache)
+    assert entry.tokens == tuple(prompt[:129]) and ex.runtime.seq_len(entry.seq) == 129
+    check_invariants(ex)
+    paged = make_executor(fake(max_seq_len=256))
+    again = admit_and_prefill(paged, 1, 1, prompt, decode=5)
+    assert emitted(ex, emit_of(r, 1)) == emitted(paged, emit_of(again, 1))
+    # a short prompt is not checkpointed
+    admit_and_prefill(ex, 2, 2, prompt[:100], decode=1)
+    assert len(ex.cache) == 1
+
+
+def test_publishing_the_same_tokens_twice_keeps_one_entry():
+    ex = make_executor(fake())
+    for tag in (1, 2):
+        admit_and_prefill(ex, tag, tag, list(range(1, 10)), decode=3)
+    assert ex.tick(PlanBuilder(3).retire(1, publish_to_cache=True).retire(2, publish_to_cache=True)
+                   .build()).ok
+    (entry,) = list(ex.cache)
+    assert len(entry.tokens) == 12 and ex.runtime.mem_counters().seqs == 1  # 9 + 3, whole pages of 4
+    check_invariants(ex)
+
+
+def test_a_publish_whose_last_feed_faults_frees_the_lane():
+    ex = make_executor(fake())
+    admit_and_prefill(ex, 1, 1, list(range(1, 10)), decode=3)
+    ex.runtime.inject_fault(ex.lanes[1].seq)
+    r = ex.tick(PlanBuilder(2).retire(1, publish_to_cache=True).build())
+    assert r.ok and not r.events.faults and not ex.cache and not ex.faulted
+    assert ex.runtime.mem_counters().seqs == 0
+
+
+def test_an_eviction_makes_a_sequence_slot():
+    ex = make_executor(fake(max_seqs=2))
+    admit_and_prefill(ex, 1, 1, list(range(1, 10)), decode=3)
+    admit_and_prefill(ex, 2, 2, [1, 2, 3, 4], decode=3)
+    assert ex.tick(PlanBuilder(3).retire(1, publish_to_cache=True).build()).ok
+    plan = PlanBuilder(4, prefill_token_budget=BIG_BUDGET).admit(3, put(ex, [1, 2])).prefill(3, 0, 2)
+    assert ex.tick(plan.build()).status == Status.NeedsReplan
+    plan.evictable_cache_classes, plan.max_evict_bytes = int(CacheClass.RESIDENT_PREFIX_CLASS), 1 << 40
+    r = ex.tick(plan.build())
+    assert r.ok and r.events.shed.evictions_performed == 1
+    assert r.events.shed.entries[0].reason == int(ShedReason.MEMORY)
+    assert not ex.cache and set(ex.lanes) == {2, 3}
+    check_invariants(ex)
