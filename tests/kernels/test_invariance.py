@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from superfluid.kernels.attention import attention_torch, build_batch
-from superfluid.kernels.linear import linear
+from superfluid.kernels.linear import OUT_CHUNK, linear
 from superfluid.kernels.swiglu import silu
 
 
@@ -20,6 +20,19 @@ def test_a_linear_row_is_the_same_in_any_batch_and_position():
             xx = x[:n].clone()
             xx[p] = x[0]
             assert torch.equal(linear(xx, w)[p], ref), (n, p)
+
+
+def test_a_wide_linear_row_is_the_same_in_any_batch_and_position():
+    # Wider than 2 * OUT_CHUNK, so it runs in output slices (the LM head's path).
+    torch.manual_seed(2)
+    w = torch.randn(2 * OUT_CHUNK + 777, 64)
+    x = torch.randn(40, 64)
+    ref = linear(x[:1], w)[0]
+    assert torch.allclose(ref, (x[:1] @ w.T)[0], rtol=1e-5, atol=1e-4)
+    for n in (1, 2, 17, 40):
+        xx = x[:n].clone()
+        xx[n - 1] = x[0]
+        assert torch.equal(linear(xx, w)[n - 1], ref), n
 
 
 def test_plain_gemm_is_not_row_invariant():
