@@ -117,8 +117,7 @@ class Model:
             a = be.attention(q, k_cache[li], v_cache[li], batch, self.scale, li)
             x = x + be.linear(a.reshape(n, q_end), layer.o, layer.o_bias)
             h = be.rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            x = x + be.linear(be.swiglu(be.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
-                              layer.down_bias)
+            x = x + be.mlp(h, layer.gate_up, layer.gate_up_bias, layer.down, layer.down_bias)
         if rows is not None:
             x = x[rows]
         x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps)

@@ -12,7 +12,7 @@ import torch
 
 from superfluid.kernels import attention as _attn
 from superfluid.kernels.kv_write import kv_write_torch
-from superfluid.kernels.linear import linear as _linear
+from superfluid.kernels.linear import linear as _linear, swiglu_mlp
 from superfluid.kernels.rmsnorm import rmsnorm_torch
 from superfluid.kernels.rope import rope_torch
 from superfluid.kernels.swiglu import swiglu_torch
@@ -31,6 +31,12 @@ class Backend:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return _linear(x, w, b, invariant=self.invariant)
+
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_b: torch.Tensor | None, down: torch.Tensor,
+            down_b: torch.Tensor | None) -> torch.Tensor:
+        if self.invariant and type(self).swiglu is Backend.swiglu:
+            return swiglu_mlp(x, gate_up, gate_up_b, down, down_b)  # bitwise the composition below
+        return self.linear(self.swiglu(self.linear(x, gate_up, gate_up_b)), down, down_b)
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm_torch(x, w, eps)

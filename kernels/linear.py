@@ -50,3 +50,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, i
     if b is not None:
         y += b
     return y
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_b: torch.Tensor | None, down: torch.Tensor,
+               down_b: torch.Tensor | None) -> torch.Tensor:
+    """down(silu(gate) * up) of x [n, hidden], gate_up [2 * inter, hidden]
+    (gate first): the same arithmetic as linear -> swiglu -> linear, kept
+    features-major in between so the wide intermediate is never transposed.
+    Padding columns hold junk that no real column reads."""
+    from superfluid.kernels.swiglu import silu
+
+    n = x.shape[0]
+    gu = gate_up @ pad_rows(x).T.contiguous()  # [2 * inter, padded tokens]
+    if gate_up_b is not None:
+        gu += gate_up_b[:, None]
+    inter = gu.shape[0] // 2
+    y = (down @ (silu(gu[:inter]) * gu[inter:]))[:, :n].T.contiguous()
+    if down_b is not None:
+        y += down_b
+    return y

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from superfluid.kernels.attention import attention_torch, build_batch
-from superfluid.kernels.linear import OUT_CHUNK, linear
-from superfluid.kernels.swiglu import silu
+from superfluid.kernels.linear import OUT_CHUNK, linear, swiglu_mlp
+from superfluid.kernels.swiglu import silu, swiglu_torch
 
 
 def test_a_linear_row_is_the_same_in_any_batch_and_position():
@@ -33,6 +33,22 @@ def test_a_wide_linear_row_is_the_same_in_any_batch_and_position():
         xx = x[:n].clone()
         xx[n - 1] = x[0]
         assert torch.equal(linear(xx, w)[n - 1], ref), n
+
+
+def test_the_fused_mlp_is_bitwise_the_composition():
+    # swiglu_mlp skips two transposes; it must not change a bit of what it replaces.
+    torch.manual_seed(3)
+    for hidden, inter, bias in ((64, 128, False), (48, 80, True)):
+        gu, dn = torch.randn(2 * inter, hidden) * 0.1, torch.randn(hidden, inter) * 0.1
+        gb, db = (torch.randn(2 * inter), torch.randn(hidden)) if bias else (None, None)
+        for n in (1, 3, 16, 17, 45):
+            x = torch.randn(n, hidden)
+            got = swiglu_mlp(x, gu, gb, dn, db)
+            assert torch.equal(got, linear(swiglu_torch(linear(x, gu, gb)), dn, db)), (hidden, bias, n)
+            ref = torch.nn.functional.linear(swiglu_torch(torch.nn.functional.linear(
+                x.double(), gu.double(), None if gb is None else gb.double())), dn.double(),
+                None if db is None else db.double())
+            assert got.abs().max() > 0.1 and torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_plain_gemm_is_not_row_invariant():
