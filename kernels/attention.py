@@ -45,6 +45,14 @@ class DenseKV:
     v: torch.Tensor
     pos: torch.Tensor  # [F] position of this step's token in each feed
     cells: torch.Tensor  # [F] its flat cell id in the pool
+    _where: tuple | None = None  # the indices above, split once for every layer of the step
+
+    def where(self, page: int) -> tuple:
+        if self._where is None:
+            f = torch.arange(self.k.shape[2], device=self.k.device)
+            self._where = (f, self.pos, self.cells // page, self.cells % page, self.pos // KEY_CHUNK,
+                           self.pos % KEY_CHUNK)
+        return self._where
 
 
 @dataclasses.dataclass
@@ -144,10 +152,9 @@ def group_keys(grp: AttnGroup, kh: torch.Tensor, vh: torch.Tensor, layer: int | 
     n_kv, page, d = kh.shape[0], kh.shape[2], kh.shape[-1]
     if grp.dense is not None and layer is not None:
         dk, dv = grp.dense.k[layer], grp.dense.v[layer]
-        f = torch.arange(dk.shape[1], device=dk.device)
-        pos, blocks, offs = grp.dense.pos, grp.dense.cells // page, grp.dense.cells % page
+        f, pos, blocks, offs, chunk, within = grp.dense.where(page)
         dk[:, f, pos] = kh[:, blocks, offs]
-        dv[pos // KEY_CHUNK, :, f, pos % KEY_CHUNK] = vh[:, blocks, offs].transpose(0, 1)
+        dv[chunk, :, f, within] = vh[:, blocks, offs].transpose(0, 1)
         return dk, dv
     f = grp.kv_blocks.shape[0]
     flat = grp.kv_blocks.reshape(-1)
