@@ -103,6 +103,7 @@ class Verdict:
     plan: TickPlan
     prompts: dict[int, list[int]]
     evict: list[CacheEntry]
+    cells_after: dict[int, int]  # each prefilled or decoded lane's cells at the end, at most
 
 
 def _reject(status: Status, field: str, message: str) -> PlanReject:
@@ -257,9 +258,9 @@ class Executor:
         reached, prefill_tokens = self._check_prefills(plan, prompts)
         decode_rounds = self._check_decodes(plan, prompts, reached)
         self._check_retires(plan)
-        evict = self._check_memory(plan, prompts, reached, decode_rounds)
+        evict, cells_after = self._check_memory(plan, prompts, reached, decode_rounds)
         self._check_events_fit(plan)
-        return Verdict(plan, prompts, evict)
+        return Verdict(plan, prompts, evict, cells_after)
 
     def _check_events_fit(self, plan: TickPlan) -> None:
         """An applied plan cannot be taken back, so its events must fit their
@@ -390,12 +391,14 @@ class Executor:
             lane = self.lanes.get(d.lane_tag)
             if lane is not None:
                 host, pending_row, end = lane.sampling == Sampling.HOST, lane.pending_row is not None, lane.prefill_end
+                prompt_len = len(lane.prompt)
                 after = reached.get(d.lane_tag, lane.prefilled)
                 finished, committed = lane.finished, len(lane.committed) + (d.lane_tag in committing)
             elif d.lane_tag in prompts:
                 a = self._admit_of(plan, d.lane_tag)
                 host, pending_row = a.sampling == Sampling.HOST, False
-                end = len(prompts[d.lane_tag]) - a.decode_replay
+                prompt_len = len(prompts[d.lane_tag])
+                end = prompt_len - a.decode_replay
                 after, finished, committed = reached.get(d.lane_tag, 0), False, end
             else:
                 raise _reject(Status.RejectUnknownLane, f"{f}.lane_tag", f"no live or admitted lane {d.lane_tag}")
@@ -414,9 +417,12 @@ class Executor:
             if after != end:
                 raise _reject(Status.RejectIllegalCombination, f"{f}.lane_tag",
                               f"lane {d.lane_tag}'s prefill ends at {after} of {end} tokens this tick")
-            # Each round feeds one cell; even a lane at max_seq_len feeds its pending token once.
+            # Each round feeds one cell; a lane at max_seq_len still feeds a pending token
+            # once (its own, a commit's, or one an exact_only prefill held back this tick).
             room = max(0, self.desc.max_seq_len - committed)
-            rounds[d.lane_tag] = max(1, min(d.max_new_tokens, room)) if d.max_new_tokens else 0
+            pending = (lane is not None and (lane.pending_input is not None or d.lane_tag in committing)) or (
+                self.exact_only and d.lane_tag in reached and end == prompt_len and prompt_len >= 2)
+            rounds[d.lane_tag] = (max(int(pending), min(d.max_new_tokens, room))) if d.max_new_tokens else 0
         return rounds
 
     def _retiring_live(self, plan: TickPlan) -> set[int]:
@@ -434,7 +440,7 @@ class Executor:
         return -(-cells // self.page)
 
     def _check_memory(self, plan: TickPlan, prompts: dict[int, list[int]], reached: dict[int, int],
-                      rounds: dict[int, int]) -> list[CacheEntry]:
+                      rounds: dict[int, int]) -> tuple[list[CacheEntry], dict[int, int]]:
         """Step 9: cells (in whole pages) and sequence slots for the plan,
         evicting unpinned cache entries only as the plan allows."""
         page = self.page
@@ -469,8 +475,9 @@ class Executor:
         def fits(victims: list[int]) -> bool:
             return mem.cells_total == 0 or free + (self.runtime.cells_released(victims) if victims else 0) >= needed
 
+        cells_after = {tag: after for tag, (_, after) in grow.items()}
         if fits(retired) and short == 0:
-            return []
+            return [], cells_after
         why = (f"the plan needs {needed} cells, {free} are free" if not fits(retired)
                else f"{short} more sequence slots than max_seqs allows")
         if not plan.evictable_cache_classes & CacheClass.RESIDENT_PREFIX_CLASS:
@@ -482,7 +489,7 @@ class Executor:
         if not ok:
             raise _reject(Status.NeedsReplan, "TickPlan.max_evict_bytes",
                           f"{why}; evicting up to {cap} bytes of the cache is not enough")
-        return picked
+        return picked, cells_after
 
     # -------------------------------------------------------------- apply
 
@@ -491,6 +498,7 @@ class Executor:
         self.last_plan_seq = plan.plan_seq
         self.tick_count += 1
         t = _Tick(self, plan)
+        t.cells_after = v.cells_after
         for e in v.evict:
             t.evict(e, ShedReason.MEMORY)
         t.retires()
@@ -556,6 +564,7 @@ class _Tick:
         self.finishes: dict[int, int] = {}
         self.partial = bool(plan.flags & PlanFlag.PARTIAL_EMITS) and ex.partial_sink is not None
         self.yielded = False
+        self.cells_after: dict[int, int] = {}  # the check's bound on each lane's cells at the end
 
     # ----------------------------------------------------------- faults
 
@@ -621,10 +630,18 @@ class _Tick:
         could not be kept (the caller frees it)."""
         ex = self.ex
         if lane.pending_input is not None:
-            # Forward-once held the last token back; the entry keys every cell it holds.
-            if self.step([Feed(lane.seq, [lane.pending_input])], [], "a publishing retire") is None:
+            # Forward-once held the last token back: feed it so the entry keys every
+            # committed token. Out of cells, the step changed nothing: publish what is
+            # held. A lane fault says the sequence itself is suspect: keep none of it.
+            try:
+                self.rt.step([Feed(lane.seq, [lane.pending_input])])
+                lane.pending_input = None
+            except CapacityError:
+                pass
+            except FatalError as e:
+                raise ex._fatal("a publishing retire", e) from e
+            except RuntimeFailure:
                 return False
-            lane.pending_input = None
         ingested = lane.ingested
         key_len = ingested if ex.exact_only else ingested // ex.page * ex.page
         if key_len < 1:
@@ -647,15 +664,22 @@ class _Tick:
 
     def retires(self) -> None:
         ex = self.ex
+        publishing = []
+        # Frees first: the memory check counted their cells as free for the
+        # publishes' pending feeds, whatever the plan's order.
         for r in self.plan.retires:
             if r.lane_tag in ex.faulted:
                 ex.faulted.discard(r.lane_tag)
                 continue
             lane = ex.lanes.pop(r.lane_tag)
             ex.inject_fault.pop(r.lane_tag, None)
-            if r.publish_to_cache and self.publish(lane):
-                continue
-            self.free(lane.seq, "a retire")
+            if r.publish_to_cache:
+                publishing.append(lane)
+            else:
+                self.free(lane.seq, "a retire")
+        for lane in publishing:
+            if not self.publish(lane):
+                self.free(lane.seq, "a retire")
 
     def commits(self) -> None:
         for c in self.plan.commits:
@@ -783,24 +807,35 @@ class _Tick:
             ex.prefill_secs_per_token = sample if spt is None else 0.7 * spt + 0.3 * sample
 
     def _checkpoint(self, tag: int) -> None:
-        """On an exact_only runtime: a copy of the lane where its prompt ends,
-        less the held-back token, kept in the cache for a resent prompt."""
+        """On an exact_only runtime: a copy of a lane whose prompt of >= 128
+        tokens just ended, one token short (the held-back one), kept in the
+        cache for a resent prompt. The memory check does not count it, so it
+        is taken only from cells and slots the rest of the tick cannot need."""
         ex = self.ex
         lane = ex.lanes.get(tag)
-        if lane is None:
+        if lane is None or len(lane.prompt) < CHECKPOINT_MIN_TOKENS:
             return
         n = lane.ingested
         key = tuple(lane.committed[:n])
-        if n < CHECKPOINT_MIN_TOKENS or ex.cache.find(key) is not None:
+        if ex.cache.find(key) is not None:
             return
+        mem = self.rt.mem_counters()
+        if ex.desc.max_seqs and mem.seqs >= ex.desc.max_seqs:
+            return
+        if mem.cells_total:
+            promised = sum(max(0, ex._pages(after) - ex._pages(self.rt.seq_len(ex.lanes[t].seq)))
+                           for t, after in self.cells_after.items() if t in ex.lanes) * ex.page
+            if mem.cells_total - mem.cells_used - promised < ex._pages(n) * ex.page:
+                return
+        dst = None
         try:
             dst = self.rt.seq_create()
-        except RuntimeFailure:
-            return
-        try:
             self.rt.seq_copy(lane.seq, dst, n)
+        except FatalError as e:
+            raise ex._fatal("a checkpoint", e) from e
         except RuntimeFailure:
-            self.free(dst, "a failed checkpoint")
+            if dst is not None:
+                self.free(dst, "a failed checkpoint")
             return
         ex.cache.insert(dst, key, n, ex._entry_bytes(n), ex.tick_count)
 
