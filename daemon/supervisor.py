@@ -185,6 +185,7 @@ class Daemon:
         self._wake_r = self._wake_w = -1
         self._stopping = False
         self._stop_requested = False  # set by stop(), from any thread
+        self._restore_signals: Callable[[], None] = lambda: None
         self._started = False
         self._finished = False
         self._metrics: http.server.HTTPServer | None = None
@@ -214,6 +215,9 @@ class Daemon:
             self._sel = selectors.DefaultSelector()
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+            # From here a SIGTERM is only noted (serve_forever acts on it), so one
+            # during start-up cannot leave segments or workers behind.
+            self._restore_signals = self._install_signals()
             self._check_no_live_daemon()
             for i in range(self.n_workers):
                 seg = Segment.create(self.name, i, self.segment_config, replace=True)
@@ -229,6 +233,7 @@ class Daemon:
                 self._spawn(w)
         except BaseException:
             self._shutdown(kill_now=True)
+            self._restore_signals()
             raise
 
     def serve_forever(self) -> int:
@@ -237,7 +242,7 @@ class Daemon:
         the main thread and handle_signals is set."""
         if not self._started or self._finished:
             raise RuntimeError("Daemon.serve_forever(): call start() first, once")
-        restore = self._install_signals()
+        restore, self._restore_signals = self._restore_signals, lambda: None
         status = 0
         try:
             while not self._stopping:

@@ -32,15 +32,19 @@ class Worker:
         self.ex = executor
         self.epoch = epoch
         self.partial_dropped = 0
+        self._stalled_plan: int | None = None  # the tick whose partial emits found no room
         executor.partial_sink = self._partial
         executor.event_capacity = segment.event_queue.slot_bytes
 
     def _partial(self, plan_seq: int, lane_tag: int, token: int, index: int) -> None:
+        # A planner not reading its stream must not stall the tick: wait for room
+        # once a tick, then drop (counted) without waiting.
+        wait = 0.0 if plan_seq == self._stalled_plan else PARTIAL_WAIT_S
         try:
-            self.seg.stream_queue.send("PartialEmit", PartialEmit(plan_seq, lane_tag, token, index),
-                                       timeout=PARTIAL_WAIT_S)
+            self.seg.stream_queue.send("PartialEmit", PartialEmit(plan_seq, lane_tag, token, index), timeout=wait)
         except QueueTimeout:
-            self.partial_dropped += 1  # a planner not reading its stream must not stall the tick
+            self.partial_dropped += 1
+            self._stalled_plan = plan_seq
 
     def _send(self, name: str, record) -> None:
         slot = self.seg.event_queue.reserve(None, epoch=self.epoch, watch_stop=True)
@@ -102,6 +106,8 @@ class Worker:
         spin = DEFAULT_SPIN_NS  # right after a tick the next plan often follows: spin for it first
         try:
             while True:
+                if seg.stop_requested:  # a wait sees it only when the queue runs dry
+                    raise StopRequested("the daemon asked the worker to stop")
                 self._drain_ops()
                 if self.ex.completions and plans.try_peek() is None:
                     self._flush_ops()  # no tick to carry them: answer the ops at once

@@ -275,3 +275,60 @@ def test_every_worker_gave_up_exits_1(serve: Callable[..., Serve], seg_name: str
     assert "worker 0 failed 2 times in 60 s (last: exit 3); giving up on it" in d.log
     assert "every worker gave up" in d.log
     assert segment_files(seg_name) == [] and live_workers(seg_name) == []
+
+
+def test_sigterm_during_start_up_drains(serve: Callable[..., Serve], seg_name: str) -> None:
+    # The signal lands while segments are being made and workers spawned.
+    s = serve(seg_name, "--fake", "--workers", "8")
+    wait_for(lambda: segment_files(seg_name) or s.proc.poll() is not None, "the first segment")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(WAIT_S) == 0, s.log
+    assert "segments removed" in s.log, s.log
+    assert not segment_files(seg_name)
+    wait_for(lambda: not live_workers(seg_name), "no worker left", 10)
+
+
+def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> None:
+    from superfluid.abi import ParamFlag
+    from superfluid.abi.records import SamplingParams
+    from superfluid.client import Client
+    from superfluid.client.client import ClientError
+
+    d = Daemon(seg_name, ["--fake", "--fake-step-cost", "0.02"], handle_signals=False, stop_timeout=20.0)
+    d.start()
+    loop = threading.Thread(target=d.serve_forever)
+    loop.start()
+    stop = threading.Event()
+    try:
+        c = Client.connect(seg_name, timeout=WAIT_S)
+        tag = c.new_lane_tag()
+        c.tick(PlanBuilder(0, prefill_token_budget=8).admit(tag, c.write_prompt([1, 2, 3]),
+                                                              params=SamplingParams(flags=int(ParamFlag.IGNORE_EOS)))
+               .prefill(tag, 0, 3))
+
+        def feed() -> None:
+            try:
+                for _ in range(4):
+                    c.submit(PlanBuilder(0).decode(tag, 1))
+                while not stop.is_set():
+                    c.submit(PlanBuilder(0).decode(tag, 1))  # always one plan queued ahead
+                    c.wait_events()
+            except ClientError:
+                pass
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        d.stop()
+        loop.join(WAIT_S)
+        # drained (the worker saw the stop between ticks), not killed at stop_timeout
+        assert time.monotonic() - t0 < 10
+        assert d.snapshot() == [] and not segment_files(seg_name)
+    finally:
+        stop.set()
+        d.stop()
+        loop.join(WAIT_S)
+    feeder.join(10)
+    c.close()
+    wait_for(lambda: not live_workers(seg_name), "no worker left", 10)

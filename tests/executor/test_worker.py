@@ -126,6 +126,33 @@ def test_partial_emits_stream(worker):
     assert all(p.plan_seq == 1 and p.lane_tag == 5 for p in streamed)
 
 
+def test_an_unread_stream_stalls_a_tick_once_not_per_token(worker):
+    # The stream queue (64 slots) is never read: the first tick fills it; the second
+    # waits once for room (PARTIAL_WAIT_S), then drops the rest of its partials at once.
+    import time
+
+    from superfluid.abi import ParamFlag
+    from superfluid.abi.records import SamplingParams
+    from superfluid.executor.worker import PARTIAL_WAIT_S
+
+    seg, epoch, _ = worker()
+    noeos = SamplingParams(flags=int(ParamFlag.IGNORE_EOS))
+    PlanBuilder(1, flags=PlanFlag.PARTIAL_EMITS, prefill_token_budget=8).admit(
+        5, seg.prompt_ring.write([3, 4]), params=noeos).prefill(5, 0, 2).decode(5, 64).encode_into(
+        seg.plan_queue.reserve(5))
+    seg.plan_queue.publish()
+    _, ev = _events(seg, epoch)
+    assert ev.emits[0].n_tokens == 64 and len(seg.stream_queue) == 64
+    t0 = time.monotonic()
+    PlanBuilder(2, flags=PlanFlag.PARTIAL_EMITS).decode(5, 5).encode_into(seg.plan_queue.reserve(5))
+    seg.plan_queue.publish()
+    _, ev = _events(seg, epoch)
+    took = time.monotonic() - t0
+    assert ev.status == Status.OK and ev.emits[0].n_tokens == 5
+    assert took < 3 * PARTIAL_WAIT_S, f"{took:.1f}s: one wait per dropped token"
+    assert len(seg.stream_queue) == 64  # nothing overwritten
+
+
 def test_stop_request(worker):
     seg, epoch, proc = worker()
     seg.request_stop()
