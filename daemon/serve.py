@@ -33,10 +33,26 @@ def _positive_int(s: str) -> int:
     return v
 
 
+MAX_SECONDS = 86400.0  # a day: beyond it a timer overflows select() and timestamps
+
+
 def _seconds(s: str) -> float:
-    v = float(s)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{s}: must be a number of seconds >= 0")
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a number of seconds") from None
+    if not 0 <= v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{s}: must be a number of seconds in [0, {MAX_SECONDS:.0f}]")
+    return v
+
+
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a TCP port") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{s}: a port is 0-65535 (0: any free port)")
     return v
 
 
@@ -47,7 +63,7 @@ def parse_crash_loop(s: str) -> tuple[int, float]:
         out = int(n), float(window)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r}: expected FAILURES/SECONDS, e.g. 5/60") from None
-    if out[0] < 1 or not out[1] > 0:
+    if out[0] < 1 or not 0 < out[1] <= MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{s!r}: needs at least 1 failure in a positive window")
     return out
 
@@ -67,15 +83,11 @@ def runtime_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _vocab_of(model: str) -> int:
-    """The checkpoint's vocabulary, to size the logits ring; 0 when it
-    cannot be read (the workers then fail to load it and say why)."""
+    """The checkpoint's vocabulary, to size the logits ring. ValueError when
+    the config cannot be read or is not one we load."""
     from superfluid.engine.config import load_config
 
-    try:
-        return load_config(model).vocab_size
-    except (OSError, ValueError) as e:  # ConfigError is a ValueError; the workers will report why
-        log.warning("cannot read the model's config in %s (%s); sizing the logits ring by default", model, e)
-        return 0
+    return load_config(model).vocab_size
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,7 +110,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"superfluid serve: --model {args.model}: no such directory", file=sys.stderr)
             return 2
         args.model = os.path.abspath(args.model)  # the workers get the very same checkpoint
-        vocab = _vocab_of(args.model)
+        try:
+            vocab = _vocab_of(args.model)
+        except (OSError, ValueError) as e:
+            # Every worker would fail the same way and crash-loop: say it once, up front.
+            print(f"superfluid serve: --model {args.model}: {e}", file=sys.stderr)
+            return 2
     try:
         daemon = Daemon(
             args.name, runtime_argv(args), workers=args.workers,
@@ -126,6 +143,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="give up on a worker after N failures within WINDOW seconds (default 5/60)")
     p.add_argument("--stop-timeout", type=_seconds, default=10.0,
                    help="seconds workers get to stop before SIGKILL (default 10)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")
+    p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=main)

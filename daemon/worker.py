@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 EXIT_BAD_ARGS = 2
 EXIT_LOAD = 3
@@ -37,20 +38,35 @@ def build_runtime(args: argparse.Namespace):
                 max_seq_len=args.max_seq_len or None)
 
 
+def _at_least(lo: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r}: expected an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{s}: must be >= {lo}")
+        return v
+    return parse
+
+
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Options that size the runtime (shared with `superfluid serve`)."""
     p.add_argument("--model", help="checkpoint directory (config.json + safetensors); default: the embedded tiny model")
     p.add_argument("--backend", choices=("torch", "triton"), default="torch")
     p.add_argument("--fake", action="store_true", help="serve the deterministic fake runtime (tests, benchmarks)")
-    p.add_argument("--fake-vocab", type=int, default=512, help=argparse.SUPPRESS)
+    p.add_argument("--fake-vocab", type=_at_least(2), default=512, help=argparse.SUPPRESS)
     p.add_argument("--fake-step-cost", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--kv-cells", type=int, default=0, help="KV cells in the pool (default 16384; fake: unlimited)")
-    p.add_argument("--page", type=int, default=16, help="cells per KV block (default 16)")
-    p.add_argument("--max-batch", type=int, default=64, help="lanes per step (default 64)")
-    p.add_argument("--max-seqs", type=int, default=0, help="sequences at once, 0 = unbounded")
-    p.add_argument("--max-seq-len", type=int, default=0, help="cap on cells per sequence (default: the model's)")
-    p.add_argument("--prefill-step-tokens", type=int, default=512, help="tokens per prefill step (default 512)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--kv-cells", type=_at_least(0), default=0,
+                   help="KV cells in the pool (default 16384; fake: unlimited)")
+    p.add_argument("--page", type=_at_least(1), default=16, help="cells per KV block (default 16)")
+    p.add_argument("--max-batch", type=_at_least(1), default=64, help="lanes per step (default 64)")
+    p.add_argument("--max-seqs", type=_at_least(0), default=0, help="sequences at once, 0 = unbounded")
+    p.add_argument("--max-seq-len", type=_at_least(0), default=0,
+                   help="cap on cells per sequence (default: the model's)")
+    p.add_argument("--prefill-step-tokens", type=_at_least(0), default=512,
+                   help="tokens per prefill step (default 512)")
+    p.add_argument("--threads", type=_at_least(0), default=0,
                    help="torch intra-op threads per worker (default: torch's choice). Keep workers x threads "
                         "at or under the free cores: OpenMP barriers spin, and a descheduled thread stalls all")
 
@@ -63,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT")
     add_runtime_args(p)
     args = p.parse_args(argv)
-    # The daemon handles signals for the pool; a worker stops when its segment says so.
+    # The daemon handles signals for the pool; a worker stops when its segment says so
+    # (a group-wide SIGTERM, e.g. systemd's, must not kill it mid-tick).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     from superfluid.executor import Executor, SegmentRings
     from superfluid.executor.worker import Worker

@@ -332,3 +332,45 @@ def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> 
     feeder.join(10)
     c.close()
     wait_for(lambda: not live_workers(seg_name), "no worker left", 10)
+
+
+@pytest.mark.parametrize("args", [
+    ["--page", "0"], ["--max-batch", "-1"], ["--kv-cells", "x"], ["--metrics-port", "70000"],
+    ["--metrics-port", "-1"], ["--stop-timeout", "inf"], ["--restart-backoff", "1e300"],
+    ["--restart-backoff-max", "nan"], ["--crash-loop", "3/inf"],
+])
+def test_bad_serve_options_exit_2_before_anything_starts(args: list[str], seg_name: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--name", seg_name, "--fake", *args])
+    assert e.value.code == 2
+    assert args[0] in capsys.readouterr().err  # the message names the option
+    assert not segment_files(seg_name)
+
+
+def test_a_model_dir_without_a_config_exits_2_at_once(tmp_path: Path, seg_name: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.monotonic()
+    assert cli_main(["serve", "--name", seg_name, "--model", str(tmp_path)]) == 2
+    assert "config.json: file not found" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 10 and not segment_files(seg_name)  # no crash loop first
+
+
+def test_a_worker_ignores_a_stray_sigterm(seg_name: str) -> None:
+    # A group-wide SIGTERM (systemd, `timeout`) reaches the workers too: the daemon
+    # alone decides, and stops them cleanly.
+    d = Daemon(seg_name, ["--fake"], handle_signals=False, stop_timeout=20.0)
+    d.start()
+    loop = threading.Thread(target=d.serve_forever)
+    loop.start()
+    try:
+        wait_for(lambda: (state_of(seg_name) or {}).get("state") == "READY", "the worker to be ready")
+        pid = d.worker_pid(0)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert d.worker_pid(0) == pid and (state_of(seg_name) or {}).get("restarts", 0) == 0
+        t0 = time.monotonic()
+    finally:
+        d.stop()
+        loop.join(WAIT_S)
+    assert time.monotonic() - t0 < 10 and not live_workers(seg_name)
