@@ -36,6 +36,7 @@ from superfluid.rings.segment import Segment
 
 DEFAULT_TIMEOUT = 30.0
 _POLL_S = 0.005  # how often connect/reconnect look at the segment header
+_LIVENESS_SLICE_S = 0.5  # a long wait looks at the worker's pid this often
 _GONE_STATES = frozenset((WorkerState.STOPPED, WorkerState.DEAD, WorkerState.GAVE_UP))
 
 
@@ -71,6 +72,10 @@ class WorkerGaveUp(ClientError):
     """The daemon stopped restarting this worker (a crash loop)."""
 
 
+class DaemonGone(ClientError):
+    """The daemon stopped its workers, or is dead: no worker will come back."""
+
+
 def _state_name(state: int) -> str:
     try:
         return WorkerState(state).name
@@ -79,8 +84,15 @@ def _state_name(state: int) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """A running process (a zombie is not: it is dead, waiting to be reaped)."""
     if pid <= 0:
         return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                return False
+    except (OSError, IndexError):
+        pass  # no /proc: kill(0) alone
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -189,13 +201,21 @@ class Client:
 
     def _wait_slot(self, q: SlotQueue, timeout: float | None, *, write: bool) -> memoryview:
         t = self._t(timeout)
-        try:
-            return (q.reserve if write else q.peek)(t, epoch=self.epoch)
-        except PeerGone:
-            raise self._gone() from None
-        except QueueTimeout:
-            raise ClientTimeout(f"{q.name} queue: {'no room' if write else 'nothing'} within {t}s "
-                                f"(worker epoch {self.epoch})") from None
+        deadline = time.monotonic() + t
+        wait = q.reserve if write else q.peek
+        while True:
+            # In slices: a worker that died with its daemon (no one to mark it)
+            # is noticed within a slice, not at the end of a long timeout.
+            left = deadline - time.monotonic()
+            try:
+                return wait(max(0.0, min(left, _LIVENESS_SLICE_S)), epoch=self.epoch)
+            except PeerGone:
+                raise self._gone() from None
+            except QueueTimeout:
+                self.check_worker()
+                if left <= _LIVENESS_SLICE_S:
+                    raise ClientTimeout(f"{q.name} queue: {'no room' if write else 'nothing'} within {t}s "
+                                        f"(worker epoch {self.epoch})") from None
 
     # ----------------------------------------------------------------- plans
 
@@ -397,6 +417,11 @@ def _wait_ready(seg: Segment, *, after: int | None, deadline: float) -> int:
         state, epoch = seg.worker_state, seg.epoch
         if state == WorkerState.GAVE_UP:
             raise WorkerGaveUp(f"{seg.path}: the daemon gave up on this worker (epoch {epoch})")
+        if state == WorkerState.STOPPED:
+            raise DaemonGone(f"{seg.path}: the daemon stopped this worker (epoch {epoch}): it is shutting down")
+        daemon = int(seg.header.daemon_pid)
+        if daemon and not _pid_alive(daemon):
+            raise DaemonGone(f"{seg.path}: the daemon (pid {daemon}) is gone; no worker will be restarted")
         if (state == WorkerState.READY and (after is None or epoch > after)
                 and _pid_alive(int(seg.header.worker_pid)) and seg.epoch == epoch):
             return epoch

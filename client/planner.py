@@ -493,8 +493,8 @@ class Planner:
         queue each unfinished request to be re-admitted from where it is
         (prompt + generated, generated replayed). Finished lanes need no
         retire: the new worker never had them."""
+        self.client.reconnect(self.reconnect_timeout)  # DaemonGone / WorkerGaveUp: nothing to recover to
         self.stats.restarts += 1
-        self.client.reconnect(self.reconnect_timeout)
         again = [lane.request for lane in self.lanes.values() if not lane.request.done]
         self.lanes.clear()
         self.retire_next.clear()

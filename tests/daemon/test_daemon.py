@@ -378,3 +378,24 @@ def test_a_worker_ignores_a_stray_sigterm(seg_name: str) -> None:
         d.stop()
         loop.join(WAIT_S)
     assert time.monotonic() - t0 < 10 and not live_workers(seg_name)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_planner_sees_the_daemon_go_at_once(serve: Callable[..., Serve], seg_name: str,
+                                              sig: signal.Signals) -> None:
+    # Not a restart to wait out: no worker will come back.
+    from superfluid.client import Client, DaemonGone
+    from superfluid.client.planner import Planner
+
+    s = serve(seg_name, "--fake", "--fake-step-cost", "0.01")
+    with Client.connect(seg_name, timeout=WAIT_S) as c:
+        p = Planner(c, decode_grant=1, reconnect_timeout=WAIT_S)
+        p.submit([1, 2, 3], max_new_tokens=100000, stop_at_eos=False)
+        p.step(WAIT_S)
+        s.proc.send_signal(sig)
+        t0 = time.monotonic()
+        with pytest.raises(DaemonGone):
+            p.run_until_done(WAIT_S)
+        assert time.monotonic() - t0 < 10 and p.stats.restarts == 0
+    assert s.proc.wait(WAIT_S) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    wait_for(lambda: not live_workers(seg_name), "the workers to go with the daemon", 10)
