@@ -61,6 +61,11 @@ KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
 
 _PR_SET_PDEATHSIG = 1
 _COUNTERS_BYTES = ffi.sizeof("WorkerCounters")
+# Segment paths of the daemons running in this process: a second Daemon of the
+# same name here would replace the first one's live segments (the pid check
+# below cannot tell them apart).
+_IN_PROCESS: set[str] = set()
+_IN_PROCESS_LOCK = threading.Lock()
 
 
 def short_exit(status: int) -> str:
@@ -186,6 +191,7 @@ class Daemon:
         self._stopping = False
         self._stop_requested = False  # set by stop(), from any thread
         self._restore_signals: Callable[[], None] = lambda: None
+        self._registered: str | None = None  # this daemon's key in _IN_PROCESS
         self._started = False
         self._finished = False
         self._metrics: http.server.HTTPServer | None = None
@@ -517,6 +523,10 @@ class Daemon:
         if self._finished:
             return
         self._finished = True
+        if self._registered is not None:
+            with _IN_PROCESS_LOCK:
+                _IN_PROCESS.discard(self._registered)
+            self._registered = None
         self._stopping = True
         if kill_now:
             self._kill_all()
@@ -541,6 +551,13 @@ class Daemon:
 
     def _check_no_live_daemon(self) -> None:
         """`replace=True` must only ever replace a dead daemon's segments."""
+        key = segment_path(self.name, 0)
+        with _IN_PROCESS_LOCK:
+            if key in _IN_PROCESS:
+                raise SegmentError(f"{key}: daemon {self.name!r} is running in this process; stop it first "
+                                   "or choose another name")
+            _IN_PROCESS.add(key)
+        self._registered = key
         for _, path in segment_paths(self.name):
             try:
                 with Segment.open_path(path) as seg:

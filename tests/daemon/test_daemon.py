@@ -399,3 +399,24 @@ def test_a_planner_sees_the_daemon_go_at_once(serve: Callable[..., Serve], seg_n
         assert time.monotonic() - t0 < 10 and p.stats.restarts == 0
     assert s.proc.wait(WAIT_S) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
     wait_for(lambda: not live_workers(seg_name), "the workers to go with the daemon", 10)
+
+
+def test_a_second_daemon_of_the_same_name_in_one_process_is_refused(seg_name: str) -> None:
+    first = Daemon(seg_name, ["--fake"], handle_signals=False)
+    first.start()
+    try:
+        path = first.segments[0].path
+        inode = os.stat(path).st_ino
+        with pytest.raises(SegmentError, match="running in this process"):
+            Daemon(seg_name, ["--fake"], handle_signals=False).start()
+        assert os.stat(path).st_ino == inode  # the first daemon's segment is untouched
+    finally:
+        first.stop()
+        first.serve_forever()
+    # once stopped, the name is free again
+    again = Daemon(seg_name, ["--fake"], handle_signals=False)
+    again.start()
+    again.stop()
+    assert again.serve_forever() == 0
+    assert not segment_files(seg_name)
+    wait_for(lambda: not live_workers(seg_name), "no worker left", 10)
