@@ -79,6 +79,11 @@ class KVPool:
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self.refs[b] = 1
+        # A block's cells past its new owner's length still go through the value
+        # GEMM with weight 0, and 0 * inf is NaN: nothing a former owner left
+        # there (an overflow, an imported inf) may reach another sequence.
+        if out:
+            self.v.index_fill_(1, torch.tensor(out, device=self.v.device), 0)
         return out
 
     def incref(self, blocks) -> None:
@@ -116,10 +121,13 @@ class KVPool:
         shared partial last block included)."""
         if n <= 0:
             return 0
-        need = self.blocks_for(seq.length + n) - len(seq.blocks)
+        return self.blocks_for(seq.length + n) - len(seq.blocks) + (self.cow_block(seq) is not None)
+
+    def cow_block(self, seq: SeqState) -> int | None:
+        """The shared partial last block that appending to seq must copy first."""
         if seq.length % self.page and self.refs[seq.blocks[-1]] > 1:
-            need += 1
-        return need
+            return seq.blocks[-1]
+        return None
 
     def grow(self, seq: SeqState, n: int) -> None:
         """Make room for n more cells: blocks allocated, a shared partial

@@ -10,9 +10,11 @@ executor can see.
 
 from __future__ import annotations
 
+import math
+import operator
 import struct
 import zlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -33,8 +35,6 @@ from superfluid.engine.runtime import (
     UnknownSequence,
     Vocabulary,
 )
-import math
-
 from superfluid.kernels.attention import KEY_CHUNK, DenseKV, build_batch
 
 _EXPORT_MAGIC = b"SFKV"
@@ -63,7 +63,9 @@ class TransformerRuntime(Runtime):
             verify_batches=True, exact_only=False)
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(cfg.eos_token_ids), dict(specials or {}))
         backend = model.backend
-        self._mirrors = _Mirrors() if backend.dense_kv and self.pool.heads_major else None
+        # Mirrors may take at most what the pool itself takes, so the memory a
+        # worker uses stays a known multiple of --kv-cells.
+        self._mirrors = _Mirrors(self.pool.allocated_bytes) if backend.dense_kv and self.pool.heads_major else None
 
     # --------------------------------------------------------- sequences
 
@@ -83,6 +85,7 @@ class TransformerRuntime(Runtime):
 
     def seq_copy(self, src: int, dst: int, n: int) -> None:
         s, d = self._seq(src), self._seq(dst)
+        n = _count(n, "copy")
         if not 0 <= n <= s.length:
             raise OutOfBounds(f"copy of {n} cells from a sequence of {s.length}")
         if src == dst:
@@ -99,6 +102,7 @@ class TransformerRuntime(Runtime):
 
     def seq_truncate(self, seq: int, n: int) -> None:
         s = self._seq(seq)
+        n = _count(n, "truncate")
         if not 0 <= n <= s.length:
             raise OutOfBounds(f"truncate to {n} cells of a sequence of {s.length}")
         self.pool.truncate(s, n)
@@ -120,6 +124,7 @@ class TransformerRuntime(Runtime):
         if len(feeds) > self.desc.max_batch:
             raise OutOfBounds(f"{len(feeds)} feeds in one step, max_batch is {self.desc.max_batch}")
         states, seen, need = [], set(), 0
+        cow: dict[int, int] = {}  # shared partial block -> holders fed in this step
         vocab = self.cfg.vocab_size
         for f in feeds:
             s = self._seq(f.seq)
@@ -128,13 +133,23 @@ class TransformerRuntime(Runtime):
             seen.add(f.seq)
             if not f.tokens:
                 raise OutOfBounds(f"an empty feed for sequence {f.seq}")
+            if not all(type(t) is int for t in f.tokens):
+                try:
+                    f = Feed(f.seq, [operator.index(t) for t in f.tokens], f.wants_row)
+                except TypeError:
+                    raise OutOfBounds(f"a token of sequence {f.seq} is not an integer") from None
             if min(f.tokens) < 0 or max(f.tokens) >= vocab:
                 raise OutOfBounds(f"a token of sequence {f.seq} is outside the vocabulary of {vocab}")
             if s.length + len(f.tokens) > self.desc.max_seq_len:
                 raise OutOfBounds(f"sequence {f.seq} would hold {s.length + len(f.tokens)} cells, "
                                   f"max_seq_len is {self.desc.max_seq_len}")
             need += self.pool.grow_cost(s, len(f.tokens))
+            if (b := self.pool.cow_block(s)) is not None:
+                cow[b] = cow.get(b, 0) + 1
             states.append(s)
+        # The last holder of a shared partial block writes it in place: of h holders
+        # fed together, only min(h, refs - 1) copy it.
+        need -= sum(h - min(h, self.pool.refs[b] - 1) for b, h in cow.items())
         if need > self.pool.n_free:
             raise CapacityError(f"the step needs {need} KV blocks, {self.pool.n_free} are free")
         return states
@@ -205,6 +220,7 @@ class TransformerRuntime(Runtime):
             raise OutOfBounds(f"{len(specs)} sample specs for {len(feeds)} feeds")
         if not feeds:
             return []
+        _check_specs(specs)  # before the step: a bad spec must change nothing
         feeds = [f if f.wants_row else Feed(f.seq, f.tokens, True) for f in feeds]
         logits = self._forward(feeds, all_rows=False)
         return self.model.backend.sample(logits, specs).tolist()
@@ -222,6 +238,8 @@ class TransformerRuntime(Runtime):
 
     def seq_import(self, seq: int, data: bytes) -> int:
         s = self._seq(seq)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise OutOfBounds(f"an export blob must be bytes, not {type(data).__name__}")
         if s.length:
             raise OutOfBounds(f"import into sequence {seq}, which holds {s.length} cells")
         if len(data) < _EXPORT_HEAD.size:
@@ -249,6 +267,8 @@ class TransformerRuntime(Runtime):
         shape = (layers, n, kvh, hd)
         k = _bytes_tensor(data[_EXPORT_HEAD.size:_EXPORT_HEAD.size + each], dtype, shape)
         v = _bytes_tensor(data[_EXPORT_HEAD.size + each:], dtype, shape)
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            raise OutOfBounds("an export blob holding non-finite keys or values")
         s.blocks = self.pool.alloc(need)
         s.length = n
         s.version += 1
@@ -297,13 +317,15 @@ class _Mirrors:
     from the pool at every layer of every step. A mirror is keyed by its
     sequences in group order and good while each sequence's version and
     length are what the mirror last saw; otherwise it is rebuilt from the
-    pool (one gather). Only the newest few are kept."""
+    pool (one gather). Only the newest few are kept, within a byte budget; a
+    group whose mirror alone would exceed it reads the pool instead."""
 
     KEEP = 4
     HEADROOM = 128  # cells of room past the longest sequence, so appends rarely rebuild
 
-    def __init__(self):
+    def __init__(self, budget_bytes: int):
         self.entries: dict[tuple[int, ...], _Mirror] = {}
+        self.budget = budget_bytes
 
     @property
     def bytes(self) -> int:
@@ -325,18 +347,27 @@ class _Mirrors:
             m = self.entries.pop(key, None)
             if m is None or m.versions != versions or m.lengths != lengths or m.k.shape[3] <= max(lengths):
                 # (first use, a member changed, or no room for this step's cells)
+                m = None
+                if self._bytes_for(pool, len(members), max(lengths)) > self.budget:
+                    continue  # this group gathers from the pool each step
                 m = self._build(pool, key, members, versions, lengths)
             self.entries[key] = m  # newest last
-            while len(self.entries) > self.KEEP:
+            while len(self.entries) > self.KEEP or self.bytes > self.budget:
                 del self.entries[next(iter(self.entries))]
             first = grp.q_index[:, 0]
             grp.dense = DenseKV(m.k, m.v, grp.row_pos[:, 0], batch.cells[first])
             used.append(m)
         return used
 
-    def _build(self, pool: KVPool, key, members: list[SeqState], versions, lengths) -> _Mirror:
+    def _cap(self, pool: KVPool, longest: int) -> int:
         unit = KEY_CHUNK * pool.page // math.gcd(KEY_CHUNK, pool.page)
-        cap = -(-(max(lengths) + self.HEADROOM) // unit) * unit
+        return -(-(longest + self.HEADROOM) // unit) * unit
+
+    def _bytes_for(self, pool: KVPool, feeds: int, longest: int) -> int:
+        return pool.bytes_per_block // pool.page * feeds * self._cap(pool, longest)
+
+    def _build(self, pool: KVPool, key, members: list[SeqState], versions, lengths) -> _Mirror:
+        cap = self._cap(pool, max(lengths))
         nb = cap // pool.page
         table = torch.zeros((len(members), nb), dtype=torch.long)
         for i, s in enumerate(members):
@@ -348,6 +379,27 @@ class _Mirrors:
         v = (pool.heads_v.index_select(2, flat).view(layers, kvh, f, cap // KEY_CHUNK, KEY_CHUNK, d)
              .permute(0, 3, 1, 2, 4, 5).contiguous())
         return _Mirror(key, versions, list(lengths), k, v)
+
+
+def _count(n: Any, what: str) -> int:
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise OutOfBounds(f"{what}: a cell count must be an integer, not {type(n).__name__}") from None
+
+
+def _check_specs(specs: Sequence[SampleSpec]) -> None:
+    for i, sp in enumerate(specs):
+        try:
+            for name in ("temperature", "top_p", "min_p"):
+                float(getattr(sp, name))
+            k, pos = operator.index(sp.top_k), operator.index(sp.rng_position)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise OutOfBounds(f"sample spec {i}: {e}") from None
+        if not 0 <= k < 1 << 63:
+            raise OutOfBounds(f"sample spec {i}: top_k {k} outside [0, 2^63)")
+        if not 0 <= pos < 1 << 64:
+            raise OutOfBounds(f"sample spec {i}: rng_position {pos} outside [0, 2^64)")
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
