@@ -63,9 +63,10 @@ class TransformerRuntime(Runtime):
             verify_batches=True, exact_only=False)
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(cfg.eos_token_ids), dict(specials or {}))
         backend = model.backend
-        # Mirrors may take at most what the pool itself takes, so the memory a
-        # worker uses stays a known multiple of --kv-cells.
-        self._mirrors = _Mirrors(self.pool.allocated_bytes) if backend.dense_kv and self.pool.heads_major else None
+        # Mirrors take at most twice what the pool takes, so the memory a worker
+        # uses stays a known multiple of --kv-cells.
+        self._mirrors = (_Mirrors(2 * self.pool.allocated_bytes) if backend.dense_kv and self.pool.heads_major
+                         else None)
 
     # --------------------------------------------------------- sequences
 
@@ -317,8 +318,10 @@ class _Mirrors:
     from the pool at every layer of every step. A mirror is keyed by its
     sequences in group order and good while each sequence's version and
     length are what the mirror last saw; otherwise it is rebuilt from the
-    pool (one gather). Only the newest few are kept, within a byte budget; a
-    group whose mirror alone would exceed it reads the pool instead."""
+    pool (one gather). Only the newest few are kept, within a byte budget. A
+    group whose mirror would be mostly padding (one long sequence among short
+    ones: every row is as long as the longest) or would not fit the budget
+    reads the pool instead."""
 
     KEEP = 4
     HEADROOM = 128  # cells of room past the longest sequence, so appends rarely rebuild
@@ -347,8 +350,9 @@ class _Mirrors:
             m = self.entries.pop(key, None)
             if m is None or m.versions != versions or m.lengths != lengths or m.k.shape[3] <= max(lengths):
                 # (first use, a member changed, or no room for this step's cells)
-                m = None
-                if self._bytes_for(pool, len(members), max(lengths)) > self.budget:
+                cells = len(members) * self._cap(pool, max(lengths))
+                if (cells > 2 * (sum(lengths) + len(members) * self.HEADROOM)
+                        or cells * (pool.bytes_per_block // pool.page) > self.budget):
                     continue  # this group gathers from the pool each step
                 m = self._build(pool, key, members, versions, lengths)
             self.entries[key] = m  # newest last
@@ -362,9 +366,6 @@ class _Mirrors:
     def _cap(self, pool: KVPool, longest: int) -> int:
         unit = KEY_CHUNK * pool.page // math.gcd(KEY_CHUNK, pool.page)
         return -(-(longest + self.HEADROOM) // unit) * unit
-
-    def _bytes_for(self, pool: KVPool, feeds: int, longest: int) -> int:
-        return pool.bytes_per_block // pool.page * feeds * self._cap(pool, longest)
 
     def _build(self, pool: KVPool, key, members: list[SeqState], versions, lengths) -> _Mirror:
         cap = self._cap(pool, max(lengths))

@@ -136,20 +136,30 @@ def test_two_holders_of_a_shared_partial_block_fed_together_copy_it_once(ckpt):
         r2.step([Feed(a, [7]), Feed(b, [8]), Feed(d, [6])])
 
 
-def test_decode_mirrors_stay_within_the_pools_size(ckpt):
-    # One long lane among short ones: a mirror sized by the longest would be many
-    # times the pool. It is skipped (the group gathers from the pool), rows unchanged.
-    def decode(kv_cells):
+def test_decode_mirrors_stay_within_twice_the_pool_and_skip_padding(ckpt):
+    # A mirror pads every row to the longest sequence: one long lane among short
+    # ones, or a pool too small for it, and the group reads the pool instead,
+    # with the same rows.
+    def decode(kv_cells, lengths):
         r = _rt(ckpt, kv_cells=kv_cells)
-        seqs = [r.seq_create() for _ in range(8)]
-        r.step([Feed(s, [1 + i] * (150 if i == 0 else 3)) for i, s in enumerate(seqs)])
+        seqs = [r.seq_create() for _ in lengths]
+        r.step([Feed(s, [1 + i] * n) for i, (s, n) in enumerate(zip(seqs, lengths))])
         rows = []
         for t in range(3):
             rows.append(r.step([Feed(s, [5 + t], True) for s in seqs]))
-            assert r._mirrors.bytes <= r.pool.allocated_bytes
+            assert r._mirrors.bytes <= 2 * r.pool.allocated_bytes
         return r, rows
 
-    small, rows_small = decode(256)
-    big, rows_big = decode(8192)
-    assert small._mirrors.bytes == 0 < big._mirrors.bytes  # negative control: a big pool mirrors
-    assert all(np.array_equal(a, b) for ra, rb in zip(rows_small, rows_big) for a, b in zip(ra, rb))
+    def same(a, b):
+        return all(np.array_equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+    skewed = [150] + [3] * 7
+    r, rows = decode(8192, skewed)
+    assert r._mirrors.bytes == 0  # mostly padding: not mirrored, even with room
+    even = [20] * 8
+    big, rows_big = decode(8192, even)
+    assert big._mirrors.bytes > 0  # negative control: an even group is mirrored
+    small, rows_small = decode(256, even)  # 8 x 192 cells of mirror > twice 256 cells of pool
+    assert small._mirrors.bytes == 0
+    assert same(rows_small, rows_big)
+    assert same(rows, decode(256, skewed)[1])
