@@ -34,10 +34,11 @@ def test_bench_engine_keys(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_bench_e2e_keys(shm_dir, capsys):
-    assert main(["bench", "e2e", "--json", "--requests", "4"]) == 0
+    assert main(["bench", "e2e", "--json", "--requests", "4", "--repeats", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
     for key in ("tok_s", "inproc_tok_s", "hf_tok_s"):
         assert res[key] > 0, key
     assert res["ttft_ms"]["p50"] > 0 and res["ttft_ms"]["p99"] >= res["ttft_ms"]["p50"]
-    assert res["same_tokens_daemon_vs_inproc"] is True
+    assert res["same_tokens_daemon_vs_inproc"] is True and res["same_tokens_every_run"] is True
+    assert len(res["runs_tok_s"]["daemon"]) == 1  # the warm-up run is not counted
     assert not os.listdir(shm_dir)
