@@ -128,11 +128,15 @@ uint8_t *sf_queue_try_reserve(QueueView *v) {
     return slot_at(v, head);
 }
 
-void sf_queue_publish(QueueView *v) {
+int sf_queue_publish(QueueView *v) {
     Queue *q = v->q;
-    __atomic_store_n(&q->head, __atomic_load_n(&q->head, RELAXED) + 1, SEQ_CST);
+    uint64_t head = __atomic_load_n(&q->head, RELAXED);
+    if (head - __atomic_load_n(&q->tail, ACQUIRE) >= v->n_slots)
+        return -1; /* nothing was reserved: publishing would overwrite an unread slot */
+    __atomic_store_n(&q->head, head + 1, SEQ_CST);
     if (__atomic_load_n(&q->consumer_sleeping, SEQ_CST))
         sf_futex_wake(low_word(&q->head), INT_MAX);
+    return 0;
 }
 
 uint8_t *sf_queue_try_peek(QueueView *v) {
@@ -142,11 +146,15 @@ uint8_t *sf_queue_try_peek(QueueView *v) {
     return slot_at(v, tail);
 }
 
-void sf_queue_release(QueueView *v) {
+int sf_queue_release(QueueView *v) {
     Queue *q = v->q;
-    __atomic_store_n(&q->tail, __atomic_load_n(&q->tail, RELAXED) + 1, SEQ_CST);
+    uint64_t tail = __atomic_load_n(&q->tail, RELAXED);
+    if (__atomic_load_n(&q->head, ACQUIRE) == tail)
+        return -1; /* nothing was peeked: releasing would invent a message */
+    __atomic_store_n(&q->tail, tail + 1, SEQ_CST);
     if (__atomic_load_n(&q->producer_sleeping, SEQ_CST))
         sf_futex_wake(low_word(&q->tail), INT_MAX);
+    return 0;
 }
 
 uint64_t sf_queue_len(const QueueView *v) {
@@ -276,7 +284,13 @@ void *sf_ring_begin(RingView *v, uint64_t n, RingRef *out) {
     uint64_t cap = v->capacity;
     if (n > cap)
         return NULL;
+    /* From the reservation, not the head: a writer that died between begin and
+     * commit left cells half-written past head that readers were told are being
+     * overwritten; lowering the reservation would make refs to them valid again. */
     uint64_t pos = __atomic_load_n(&v->r->head, RELAXED);
+    uint64_t reserved = __atomic_load_n(&v->r->reserve, RELAXED);
+    if (reserved > pos)
+        pos = reserved;
     uint64_t off = pos % cap;
     if (off + n > cap) {
         pos += cap - off;

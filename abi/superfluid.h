@@ -550,14 +550,15 @@ typedef struct RingView {
 /* Queues. init writes a fresh header (the creator only); attach checks that
  * the header's geometry fits `bytes` of mapping: 0, or -1 when it does not.
  * reserve/peek return NULL when full/empty; publish/release move the
- * counters by one slot and wake a sleeping peer. */
+ * counters by one slot and wake a sleeping peer: 0, or -1 (nothing moved)
+ * when the queue is full/empty, i.e. nothing was reserved/peeked. */
 void sf_queue_init(void *queue, uint32_t n_slots, uint32_t slot_bytes);
 int sf_queue_attach(QueueView *v, void *queue, uint64_t bytes);
 uint64_t sf_queue_bytes(uint32_t n_slots, uint32_t slot_bytes);
 uint8_t *sf_queue_try_reserve(QueueView *v);
-void sf_queue_publish(QueueView *v);
+int sf_queue_publish(QueueView *v);
 uint8_t *sf_queue_try_peek(QueueView *v);
-void sf_queue_release(QueueView *v);
+int sf_queue_release(QueueView *v);
 uint64_t sf_queue_len(const QueueView *v);
 /* Spin for spin_ns, then sleep on the futex in slices of at most
  * SF_WAIT_SLICE_NS, checking the segment before each: SF_WAIT_GONE when

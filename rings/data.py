@@ -55,6 +55,7 @@ class DataRing:
     @property
     def head(self) -> int:
         """Elements written so far, skipped tails included."""
+        self._live()
         return lib.sf_load_acquire_u64(ffi.addressof(self._view.r, "head"))
 
     def write(self, values) -> RingRef:

@@ -10,6 +10,7 @@ state between slices so a dead peer never blocks anyone for good.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from superfluid.abi import WaitResult, ffi, lib
@@ -28,6 +29,8 @@ _wait_peek = lib.sf_queue_wait_peek
 _publish = lib.sf_queue_publish
 _release = lib.sf_queue_release
 _TIMEOUT, _GONE = -int(WaitResult.TIMEOUT), -int(WaitResult.GONE)
+# A long wait returns to Python this often, so signal handlers (Ctrl-C) run.
+_SIGNAL_SLICE_S = 0.1
 
 
 class QueueTimeout(TimeoutError):
@@ -67,7 +70,10 @@ class SlotQueue:
         return None if i < 0 else self._slots[i]
 
     def publish(self) -> None:
-        _publish(self._view)
+        if self._seg.closed:
+            raise self._closed()
+        if _publish(self._view) != 0:
+            raise RuntimeError(f"{self.name} queue: publish with the queue full (nothing was reserved)")
 
     def try_peek(self) -> memoryview | None:
         """The oldest unread slot, or None when the queue is empty."""
@@ -77,26 +83,48 @@ class SlotQueue:
         return None if i < 0 else self._slots[i]
 
     def release(self) -> None:
-        _release(self._view)
+        if self._seg.closed:
+            raise self._closed()
+        if _release(self._view) != 0:
+            raise RuntimeError(f"{self.name} queue: release with the queue empty (nothing was peeked)")
 
     def __len__(self) -> int:
+        if self._seg.closed:
+            raise self._closed()
         return int(lib.sf_queue_len(self._view))
 
     @property
     def head(self) -> int:
+        if self._seg.closed:
+            raise self._closed()
         return lib.sf_load_acquire_u64(ffi.addressof(self._view.q, "head"))
 
     @property
     def tail(self) -> int:
+        if self._seg.closed:
+            raise self._closed()
         return lib.sf_load_acquire_u64(ffi.addressof(self._view.q, "tail"))
 
+    def invalidate(self) -> None:
+        """Release the slot views (the segment is being unmapped): a slot still
+        held then raises on use instead of touching unmapped memory."""
+        for m in self._slots:
+            try:
+                m.release()
+            except BufferError:
+                pass  # a slice of it is still exported: nothing more we can do
+
     def wake_all(self) -> None:
+        if self._seg.closed:
+            raise self._closed()
         lib.sf_queue_wake_all(self._view)
 
     def discard_unread(self) -> int:
         """Drop every published, unread message (tail := head); how many.
         Only for whoever stands in for a consumer that is gone (the daemon,
         between a dead worker and its replacement)."""
+        if self._seg.closed:
+            raise self._closed()
         q = self._view.q
         head = lib.sf_load_acquire_u64(ffi.addressof(q, "head"))
         tail = lib.sf_load_acquire_u64(ffi.addressof(q, "tail"))
@@ -109,15 +137,24 @@ class SlotQueue:
     def _waited(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool, spin_ns: int) -> memoryview:
         if self._seg.closed:
             raise self._closed()
-        if epoch is None:
-            i = fn(self._view, ffi.NULL, 0, int(watch_stop), -1 if timeout is None else int(timeout * 1e9), spin_ns)
-        else:
-            i = fn(self._view, self._seg.header, epoch, int(watch_stop),
-                   -1 if timeout is None else int(timeout * 1e9), spin_ns)
+        if timeout is not None and timeout != timeout:
+            raise ValueError(f"{self.name} queue: timeout is NaN")
+        # None or inf: no deadline; negative: do not wait.
+        deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + max(0.0, timeout)
+        hdr = ffi.NULL if epoch is None else self._seg.header
+        while True:
+            left = _SIGNAL_SLICE_S if deadline is None else min(_SIGNAL_SLICE_S, deadline - time.monotonic())
+            i = fn(self._view, hdr, epoch or 0, int(watch_stop), max(0, int(left * 1e9)), spin_ns)
+            if i != _TIMEOUT or (deadline is not None and time.monotonic() >= deadline):
+                break
+            if self._seg.closed:  # another thread closed it while we waited
+                raise self._closed()
+            spin_ns = 0  # spun once already
         if i >= 0:
             return self._slots[i]
         if i == _TIMEOUT:
-            raise QueueTimeout(f"{self.name} queue: nothing within {timeout}s")
+            what = "no room" if fn is _wait_reserve else "nothing"
+            raise QueueTimeout(f"{self.name} queue: {what} within {timeout}s")
         if i == _GONE:
             raise PeerGone(self._seg.epoch, self._seg.worker_state, epoch)
         raise StopRequested(f"{self.name} queue: the daemon asked the worker to stop")

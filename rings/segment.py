@@ -63,12 +63,17 @@ class SegmentConfig:
             v = getattr(self, f.name)
             if not isinstance(v, int) or v <= 0:
                 raise SegmentError(f"SegmentConfig.{f.name} = {v!r}: must be a positive int")
+            if v > _MAX_SIZE:  # byte sizes computed from it must not wrap
+                raise SegmentError(f"SegmentConfig.{f.name} = {v}: above the limit of {_MAX_SIZE}")
         for q in ("plan", "event", "op", "stream"):
             n, b = getattr(self, f"{q}_slots"), getattr(self, f"{q}_slot_bytes")
             if n & (n - 1):
                 raise SegmentError(f"SegmentConfig.{q}_slots = {n}: must be a power of two")
             if b % CACHE_LINE or b >= 1 << 32:
                 raise SegmentError(f"SegmentConfig.{q}_slot_bytes = {b}: a multiple of {CACHE_LINE} below 4 GiB")
+
+
+_MAX_SIZE = 1 << 36  # slots, slot bytes or ring elements: far above any real segment
 
 
 def _up(n: int) -> int:
@@ -135,6 +140,26 @@ class Segment:
             os.close(fd)
             os.unlink(path)
             raise
+        try:
+            return cls._init(path, fd, mm, name, index, cfg, offsets, size)
+        except BaseException:
+            os.unlink(path)  # never leave a half-made segment under this name
+            raise
+
+    @classmethod
+    def _init(cls, path: str, fd: int, mm: mmap.mmap, name: str, index: int, cfg: SegmentConfig,
+              offsets: dict[str, int], size: int) -> "Segment":
+        try:
+            cls._fill(mm, name, index, cfg, offsets, size)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, owner=True)  # on failure it unmaps and closes itself
+
+    @staticmethod
+    def _fill(mm: mmap.mmap, name: str, index: int, cfg: SegmentConfig, offsets: dict[str, int],
+              size: int) -> None:
         base = ffi.from_buffer(mm)
         h = ffi.cast("SegmentHeader *", base)
         for q in _QUEUES:
@@ -155,13 +180,19 @@ class Segment:
         # Magic last: a segment is not one until everything else is in place.
         lib.sf_store_release_u64(ffi.addressof(h, "magic"), MAGIC)
         ffi.release(base)
-        return cls(path, fd, mm, owner=True)
 
     @classmethod
     def open(cls, name: str, index: int = 0) -> "Segment":
         """Map an existing segment after checking its owner, mode, magic,
-        ABI version and geometry."""
-        return cls.open_path(segment_path(name, index))
+        ABI version, geometry, and that it is the segment of `name`, `index`."""
+        seg = cls.open_path(segment_path(name, index))
+        h = seg.header
+        if ffi.string(h.name).decode(errors="replace") != name or h.worker_index != index:
+            got = (ffi.string(h.name).decode(errors="replace"), int(h.worker_index))
+            seg.close()
+            raise SegmentError(f"{seg.path}: the segment of {got[0]!r} worker {got[1]}, not of {name!r} "
+                               f"worker {index}")
+        return seg
 
     @classmethod
     def open_path(cls, path: str) -> "Segment":
@@ -203,6 +234,7 @@ class Segment:
                 raise SegmentError(f"{self.path}: made by uid {h.owner_uid}, not by this user")
             self.queues = {q: self._region(q, "queue") for q in _QUEUES}
             self.rings = {r: self._region(r, "ring") for r, _, _ in _RINGS}
+            self._check_layout()
         except BaseException:
             self._drop()
             raise
@@ -214,6 +246,25 @@ class Segment:
         self.token_ring: DataRing = self.rings["token"]
         self.logits_ring: DataRing = self.rings["logits"]
         self.rings_by_id = {r.ring_id: r for r in self.rings.values()}
+
+    def _check_layout(self) -> None:
+        """Regions apart, each ring the one its place says, queue counters sane."""
+        spans = []
+        for q, sq in self.queues.items():
+            off = getattr(self.header.layout, f"{q}_queue")
+            spans.append((off, off + lib.sf_queue_bytes(sq.n_slots, sq.slot_bytes), f"{q}_queue"))
+            tail = sq.tail  # tail first: both only grow, so tail <= head holds in a live queue
+            if tail > sq.head:
+                raise SegmentError(f"{self.path}: {q} queue's tail {tail} is past its head {sq.head}")
+        for (r, rid, _), ring in zip(_RINGS, self.rings.values()):
+            if ring.ring_id != rid:
+                raise SegmentError(f"{self.path}: the {r} ring says it is ring {ring.ring_id}, expected {int(rid)}")
+            off = getattr(self.header.layout, f"{r}_ring")
+            spans.append((off, off + lib.sf_ring_bytes(ring.capacity), f"{r}_ring"))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if end > start:
+                raise SegmentError(f"{self.path}: layout.{a} overlaps layout.{b}")
 
     def _region(self, name: str, what: str):
         off = getattr(self.header.layout, f"{name}_{what}")
@@ -238,6 +289,8 @@ class Segment:
             return
         self.closed = True
         self.header = None
+        for q in getattr(self, "queues", {}).values():
+            q.invalidate()
         self._drop()
 
     def unlink(self) -> None:

@@ -197,3 +197,21 @@ def test_reads_racing_a_writer_are_whole_or_refused(seg_name):
         seg.unlink()
     assert proc.exitcode == 0
     assert ok > 0 and refused > 0, (ok, refused)
+
+
+def test_a_writer_that_died_mid_write_leaves_its_cells_refused(segment):
+    # A writer killed between begin and commit: its reservation stands, so the
+    # cells it half-wrote stay refused after the next writer's write.
+    from superfluid.abi import ffi, lib
+
+    ring = segment.token_ring
+    cap = ring.capacity
+    ref = ring.write(np.arange(cap // 2, dtype=np.uint32))
+    out = ffi.new("RingRef *")
+    dst = lib.sf_ring_begin(ring._view, cap // 2 + 1, out)  # wraps over ref's cells ...
+    assert dst != ffi.NULL  # ... and dies here, before sf_ring_commit
+    assert ring.check(ref) == Status.RejectBadRefGeneration
+    ring.write([7])
+    assert ring.check(ref) == Status.RejectBadRefGeneration
+    # negative control: a write that completes leaves its own ref readable
+    assert ring.read(ring.write([1, 2, 3])).tolist() == [1, 2, 3]

@@ -257,3 +257,50 @@ def test_publish_wakes_a_consumer_asleep_in_another_process(segment, seg_name):
     r, waited = out.get()
     proc.join(10)
     assert r == WaitResult.READY and waited < 10
+
+
+def test_a_stray_publish_or_release_moves_nothing(segment):
+    q = segment.op_queue
+    with pytest.raises(RuntimeError, match="nothing was peeked"):
+        q.release()
+    assert (q.head, q.tail) == (0, 0)
+    for i in range(q.n_slots):
+        q.try_reserve()[:1] = bytes([i])
+        q.publish()
+    with pytest.raises(RuntimeError, match="nothing was reserved"):
+        q.publish()  # full: it would overwrite the oldest unread message
+    assert len(q) == q.n_slots and bytes(q.try_peek()[:1]) == b"\x00"
+
+
+def test_timeouts_negative_nan_and_none(segment):
+    q = segment.plan_queue
+    t0 = time.monotonic()
+    with pytest.raises(QueueTimeout, match="nothing"):
+        q.peek(-1.0)  # negative: a poll
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(ValueError, match="NaN"):
+        q.peek(float("nan"))
+    for _ in range(q.n_slots):
+        q.try_reserve()
+        q.publish()
+    with pytest.raises(QueueTimeout, match="no room"):
+        q.reserve(0.01)
+
+
+def test_a_long_wait_lets_a_signal_handler_run(segment):
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted):
+            segment.plan_queue.peek(None, spin_ns=0)  # no deadline at all
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

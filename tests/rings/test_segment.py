@@ -196,3 +196,54 @@ def test_config_is_checked():
         SegmentConfig(event_slot_bytes=1000).check()
     with pytest.raises(SegmentError, match="positive"):
         SegmentConfig(prompt_tokens=0).check()
+
+
+def test_overlapping_regions_are_refused(made, seg_name):
+    at = ffi.offsetof("SegmentHeader", "layout") + ffi.offsetof("SegmentLayout", "event_queue")
+    _patch(made.path, at, int(made.header.layout.plan_queue).to_bytes(8, "little"))
+    with pytest.raises(SegmentError, match="overlaps"):
+        Segment.open(seg_name, 3)
+
+
+def test_a_ring_in_another_rings_place_is_refused(made, seg_name):
+    at = made.header.layout.prompt_ring + ffi.offsetof("DataRing", "ring_id")
+    _patch(made.path, at, (3).to_bytes(4, "little"))  # the logits ring's id
+    with pytest.raises(SegmentError, match="prompt ring"):
+        Segment.open(seg_name, 3)
+
+
+def test_a_queue_whose_tail_passed_its_head_is_refused(made, seg_name):
+    at = made.header.layout.plan_queue + ffi.offsetof("Queue", "tail")
+    _patch(made.path, at, (5).to_bytes(8, "little"))
+    with pytest.raises(SegmentError, match="tail 5 is past its head"):
+        Segment.open(seg_name, 3)
+
+
+def test_a_segment_under_another_name_is_refused(made, seg_name):
+    other = segment_path(seg_name + "x", 5)
+    os.link(made.path, other)
+    try:
+        with pytest.raises(SegmentError, match=f"not of '{seg_name}x' worker 5"):
+            Segment.open(seg_name + "x", 5)
+    finally:
+        os.unlink(other)
+
+
+def test_sizes_that_would_wrap_are_refused_and_nothing_is_left(seg_name):
+    with pytest.raises(SegmentError, match="above the limit"):
+        Segment.create(seg_name, 0, SegmentConfig(logits_floats=(1 << 62) + 5))
+    assert not os.path.exists(segment_path(seg_name, 0))
+
+
+def test_a_slot_held_across_close_refuses_use(seg_name):
+    seg = Segment.create(seg_name, 0, SMALL)
+    slot = seg.plan_queue.try_reserve()
+    q = seg.plan_queue
+    seg.close()
+    seg.unlink()
+    with pytest.raises(ValueError):
+        slot[0] = 1  # not a write into unmapped memory
+    for use in (q.publish, q.release, q.wake_all, q.discard_unread, lambda: len(q), lambda: q.head,
+                lambda: seg.prompt_ring.head):
+        with pytest.raises(SegmentClosed):
+            use()
