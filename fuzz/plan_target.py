@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -589,7 +590,20 @@ def run_builtin(runs: int, seed: int = 0, corpus_dir: str | None = None, *, pool
         seen.add(outcome_key(one_input(data)))
     summary = Summary()
     start = time.perf_counter()
-    for _ in range(runs):
+    try:
+        _loop(runs, rng, pool, seen, summary, corpus_dir, artifact_dir, pool_cap)
+    except KeyboardInterrupt:
+        if runs:
+            raise
+        # unbounded: Ctrl-C ends the run; the summary still prints
+    summary.elapsed_s = time.perf_counter() - start
+    summary.corpus = len(pool)
+    summary.outcomes = len(seen)
+    return summary
+
+
+def _loop(runs: int, rng, pool: list, seen: set, summary: "Summary", corpus_dir, artifact_dir, pool_cap: int) -> None:
+    for _ in (itertools.count() if runs == 0 else range(runs)):  # 0: until interrupted
         data = mutate(rng.choice(pool), rng, pool)
         try:
             outcome = one_input(data)
@@ -611,10 +625,6 @@ def run_builtin(runs: int, seed: int = 0, corpus_dir: str | None = None, *, pool
                 pool[rng.randrange(len(pool))] = data
             if corpus_dir:
                 _save(corpus_dir, data)
-    summary.elapsed_s = time.perf_counter() - start
-    summary.corpus = len(pool)
-    summary.outcomes = len(seen)
-    return summary
 
 
 # ------------------------------------------------------------------ atheris
@@ -662,7 +672,7 @@ def run_atheris(runs: int | None, seed: int | None, corpus_dir: str | None, extr
         return splice(a, b, random.Random(cseed))[:max_out_size]
 
     argv = [sys.argv[0], *extra]
-    if runs is not None:
+    if runs:  # libFuzzer's -runs=0 means none; ours means until interrupted
         argv.append(f"-runs={runs}")
     if seed is not None:
         argv.append(f"-seed={seed}")
@@ -680,7 +690,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m superfluid.fuzz.plan_target",
         description="Fuzz the plan decoder (decode_plan). Arguments after -- go to libFuzzer with --atheris.")
     parser.add_argument("--runs", type=int, default=None,
-                        help="inputs to run (built-in default 10000; atheris default: unbounded)")
+                        help="inputs to run, 0 = until interrupted (built-in default 10000; atheris default: "
+                             "unbounded)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (built-in default 0)")
     parser.add_argument("--atheris", action="store_true", help="run under atheris with the custom mutator")
     parser.add_argument("--corpus", metavar="DIR",

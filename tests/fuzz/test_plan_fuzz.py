@@ -192,3 +192,22 @@ def test_cli_without_atheris_says_how_to_install_it(monkeypatch) -> None:
     with pytest.raises(SystemExit) as exit_:
         plan_target.main(["--atheris"])
     assert "pip install atheris" in str(exit_.value.code)
+
+
+def test_runs_0_fuzzes_until_interrupted_and_still_reports(monkeypatch):
+    from superfluid.fuzz import plan_target
+
+    real, calls = plan_target.mutate, []
+
+    def mutate(*a, **kw):
+        calls.append(1)
+        if len(calls) > 2500:  # what Ctrl-C does to a run of --runs 0
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(plan_target, "mutate", mutate)
+    summary = plan_target.run_builtin(0)
+    assert summary.runs == 2500 and summary.decoded + sum(summary.rejects.values()) == 2500
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):  # a bounded run passes the interrupt on
+        plan_target.run_builtin(5000)
