@@ -18,7 +18,9 @@ the client is the plan/op producer and the event/stream consumer.
 from __future__ import annotations
 
 import collections
+import fcntl
 import itertools
+import logging
 import os
 import time
 from typing import Any
@@ -35,6 +37,7 @@ from superfluid.rings.queue import QueueTimeout, SlotQueue
 from superfluid.rings.segment import Segment
 
 DEFAULT_TIMEOUT = 30.0
+log = logging.getLogger("superfluid.client")
 _POLL_S = 0.005  # how often connect/reconnect look at the segment header
 _LIVENESS_SLICE_S = 0.5  # a long wait looks at the worker's pid this often
 _GONE_STATES = frozenset((WorkerState.STOPPED, WorkerState.DEAD, WorkerState.GAVE_UP))
@@ -70,6 +73,11 @@ class WorkerRestarted(ClientError):
 
 class WorkerGaveUp(ClientError):
     """The daemon stopped restarting this worker (a crash loop)."""
+
+
+class WorkerTaken(ClientError):
+    """Another planner is connected to this worker: its queues have one
+    producer and one consumer, so a second planner would steal its events."""
 
 
 class DaemonGone(ClientError):
@@ -108,6 +116,7 @@ class Client:
     def __init__(self, seg: Segment, epoch: int, *, timeout: float = DEFAULT_TIMEOUT):
         self.seg = seg
         self.epoch = epoch
+        self._lock: int | None = None  # the fd whose flock says this worker has its planner
         self.timeout = timeout  # the default for every wait
         self.desc = seg.runtime
         # The worker rejects plan_seq <= its last accepted one: start above it.
@@ -132,18 +141,28 @@ class Client:
         """Open worker `index` of daemon `name` and wait until it is READY
         (the segment may not exist yet: a planner may start first)."""
         deadline = time.monotonic() + timeout
+        said = False
         while True:
             try:
                 seg = Segment.open(name, index)
                 break
-            except SegmentError:
+            except SegmentError as e:
                 if time.monotonic() > deadline:
                     raise
+                if not said:
+                    log.info("waiting up to %.0f s for worker %d of daemon %r (%s)", timeout, index, name, e)
+                    said = True
                 time.sleep(_POLL_S)
+        lock = None
         try:
+            lock = _lock_planner(seg, name, index)
             epoch = _wait_ready(seg, after=None, deadline=deadline)
-            return cls(seg, epoch, timeout=timeout)
+            client = cls(seg, epoch, timeout=timeout)
+            client._lock = lock
+            return client
         except BaseException:
+            if lock is not None:
+                os.close(lock)
             seg.close()
             raise
 
@@ -170,6 +189,9 @@ class Client:
 
     def close(self) -> None:
         self.seg.close()
+        if self._lock is not None:
+            os.close(self._lock)  # another planner may connect now
+            self._lock = None
 
     def __enter__(self) -> "Client":
         return self
@@ -408,6 +430,19 @@ class Client:
             finally:
                 q.release()
         return out
+
+
+def _lock_planner(seg: Segment, name: str, index: int) -> int:
+    """An exclusive flock on the segment file, held while connected (the
+    kernel drops it when the planner's process dies)."""
+    fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise WorkerTaken(f"{seg.path}: worker {index} of daemon {name!r} already has a planner "
+                          "(one planner per worker: connect to another index, or close the other)") from None
+    return fd
 
 
 def _wait_ready(seg: Segment, *, after: int | None, deadline: float) -> int:

@@ -182,3 +182,15 @@ def test_connect_waits_for_a_ready_worker(start_worker):
             assert c.epoch == w.seg.epoch
     finally:
         t.join()
+
+
+def test_one_planner_per_worker(start_worker):
+    from superfluid.client import WorkerTaken
+
+    w = start_worker()
+    with Client.connect(w.name, 0, timeout=60) as first:
+        with pytest.raises(WorkerTaken, match="already has a planner"):
+            Client.connect(w.name, 0, timeout=60)
+        assert first.tick(PlanBuilder(0)).status == Status.OK  # the first one is undisturbed
+    with Client.connect(w.name, 0, timeout=60) as again:  # free once the first closed
+        assert again.tick(PlanBuilder(0)).status == Status.OK
