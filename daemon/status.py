@@ -156,7 +156,9 @@ def format_status(st: dict[str, Any]) -> str:
         fault = w["last_fault"]
         hb = w["heartbeat_age_s"]
         rows.append((
-            str(w["index"]), w["state"], str(w["pid"] or "-"), str(w["epoch"]), str(w["restarts"]), _exit_text(w),
+            # A segment outlives a killed daemon: what it says is the last word, not now.
+            str(w["index"]), w["state"] if st["daemon_running"] else f"{w['state']} (stale)",
+            str(w["pid"] or "-"), str(w["epoch"]), str(w["restarts"]), _exit_text(w),
             str(w["ticks"]), str(w["rejects"]), str(w["live_lanes"]), str(w["cache_entries"]),
             _bytes(w["cache_bytes"]), str(w["tokens_emitted"]),
             f"{fault['name']} lane {fault['lane']:#x}" if fault else "-",

@@ -1,11 +1,12 @@
 """`superfluid bench engine`: prefill and decode throughput against HF.
 
 For the tiny model and a small one (~58M parameters, both written from a
-seed; nothing is downloaded), at each batch size: B prompts of P tokens
-prefilled in one step, then G greedy decode steps with engine sampling —
+seed; nothing is downloaded), at each batch size (--batches, default 1 8
+32 64): B prompts of P tokens prefilled in one step (which samples each
+lane's first token), then G-1 greedy decode steps with engine sampling —
 against HF transformers on the same weights and batch in the same process:
-a forward over the prompts (prefill) and `generate` (its decode time is the
-generate time less that prefill). The invariance tax is the small model's
+a forward over the prompts (prefill) and `generate` (its decode time is
+generate(G) less generate(1)). The invariance tax is the small model's
 decode run again with batch invariance off (plain GEMMs, plain softmax).
 """
 
