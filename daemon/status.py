@@ -199,6 +199,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"superfluid status: {e}", file=sys.stderr)
         return 2
     if st is None:
+        if args.json:  # a JSON consumer gets JSON either way
+            print(json.dumps({"name": args.name, "shm_dir": shm_dir(), "daemon_pid": None, "daemon_running": False,
+                              "workers": []}, indent=2))
         print(f"superfluid status: no daemon named {args.name!r} (no segment superfluid.{args.name}.* "
               f"in {shm_dir()})", file=sys.stderr)
         return 1

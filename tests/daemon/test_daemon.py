@@ -149,6 +149,9 @@ def test_helpers() -> None:
 def test_status_without_daemon(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["status", "nosuchdaemon"]) == 1
     assert "no daemon named 'nosuchdaemon'" in capsys.readouterr().err
+    assert cli_main(["status", "nosuchdaemon", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["daemon_running"] is False and out["workers"] == []
 
 
 # --------------------------------------------------------- the daemon
