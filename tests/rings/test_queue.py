@@ -94,19 +94,23 @@ def test_wait_on_a_full_queue_times_out(segment):
 
 def test_an_epoch_change_ends_the_wait(segment):
     epoch = segment.bump_epoch(WorkerState.READY)
-    threading.Timer(0.1, segment.bump_epoch).start()
+    timer = threading.Timer(0.1, segment.bump_epoch)
+    timer.start()
     t0 = time.monotonic()
     with pytest.raises(PeerGone) as e:
         segment.event_queue.wait_readable(None, epoch=epoch)  # no timeout: only the peer check ends it
+    timer.join()  # it may still be marking the state: the fixture closes the segment next
     assert e.value.epoch == epoch + 1 and time.monotonic() - t0 < 5
 
 
 @pytest.mark.parametrize("state", [WorkerState.DEAD, WorkerState.STOPPED, WorkerState.GAVE_UP])
 def test_a_dead_worker_ends_the_wait(segment, state):
     epoch = segment.bump_epoch(WorkerState.READY)
-    threading.Timer(0.05, segment.set_worker_state, args=(state,)).start()
+    timer = threading.Timer(0.05, segment.set_worker_state, args=(state,))
+    timer.start()
     with pytest.raises(PeerGone) as e:
         segment.event_queue.wait_readable(None, epoch=epoch)
+    timer.join()
     assert e.value.state == state
 
 
