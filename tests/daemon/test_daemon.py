@@ -308,6 +308,7 @@ def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> 
     loop = threading.Thread(target=d.serve_forever)
     loop.start()
     stop = threading.Event()
+    fed: list[int] = []
     try:
         c = Client.connect(seg_name, timeout=WAIT_S)
         tag = c.new_lane_tag()
@@ -318,9 +319,9 @@ def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> 
         def feed() -> None:
             try:
                 for _ in range(4):
-                    c.submit(PlanBuilder(0).decode(tag, 1))
+                    fed.append(c.submit(PlanBuilder(0).decode(tag, 1)))
                 while not stop.is_set():
-                    c.submit(PlanBuilder(0).decode(tag, 1))  # always one plan queued ahead
+                    fed.append(c.submit(PlanBuilder(0).decode(tag, 1)))  # always one plan queued ahead
                     c.wait_events()
             except ClientError:
                 pass
@@ -328,6 +329,7 @@ def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> 
         feeder = threading.Thread(target=feed)
         feeder.start()
         time.sleep(0.5)
+        assert feeder.is_alive() and len(fed) > 4 and len(c.seg.plan_queue) > 0  # plans queued at the stop
         t0 = time.monotonic()
         d.stop()
         loop.join(WAIT_S)
@@ -378,6 +380,8 @@ def test_a_worker_ignores_a_stray_sigterm(seg_name: str) -> None:
         os.kill(pid, signal.SIGTERM)
         time.sleep(0.5)
         assert d.worker_pid(0) == pid and (state_of(seg_name) or {}).get("restarts", 0) == 0
+        assert pid in live_workers(seg_name)  # alive, not a zombie waiting to be reaped
+        assert (state_of(seg_name) or {}).get("state") == "READY"
         t0 = time.monotonic()
     finally:
         d.stop()

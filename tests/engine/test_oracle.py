@@ -82,7 +82,8 @@ def test_ragged_step_matches_each_sequence(pair):
     prompts = [rng.integers(0, rt.desc.vocab_size, n).tolist() for n in (3, 40, 17, 1)]
     seqs = [rt.seq_create() for _ in prompts]
     rows = rt.step([Feed(s, p, True) for s, p in zip(seqs, prompts)])
-    for r, p in zip(rows, prompts):
+    assert len(rows) == len(prompts)
+    for r, p in zip(rows, prompts, strict=True):
         np.testing.assert_allclose(r, hf_row(hf, p), atol=TOL, rtol=0)
     for s in seqs:
         rt.seq_free(s)

@@ -149,7 +149,7 @@ def test_an_unread_stream_stalls_a_tick_once_not_per_token(worker):
     _, ev = _events(seg, epoch)
     took = time.monotonic() - t0
     assert ev.status == Status.OK and ev.emits[0].n_tokens == 5
-    assert took < 3 * PARTIAL_WAIT_S, f"{took:.1f}s: one wait per dropped token"
+    assert 0.9 * PARTIAL_WAIT_S <= took < 3 * PARTIAL_WAIT_S, f"{took:.1f}s: one wait, not one per dropped token"
     assert len(seg.stream_queue) == 64  # nothing overwritten
 
 

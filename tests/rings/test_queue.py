@@ -206,13 +206,26 @@ def test_futex_wake_across_processes(segment, seg_name):
     out = FORK.SimpleQueue()
     proc = FORK.Process(target=_futex_waiter, args=(seg_name, out))
     proc.start()
-    time.sleep(0.3)  # let it fall asleep
+    # Until the child really sleeps in the futex (else it would see the store and
+    # never sleep, and no wake would be tested).
+    deadline = time.monotonic() + 10
+    while "futex" not in _wchan(proc.pid):
+        assert time.monotonic() < deadline, f"the child never slept on the futex ({_wchan(proc.pid)!r})"
+        time.sleep(0.01)
     segment.latency_wanted = True
     woken = lib.sf_futex_wake(ffi.cast("uint32_t *", ffi.addressof(segment.header, "latency_wanted")), 1)
     r, waited, seen = out.get()
     proc.join(10)
     assert r == 0 and seen and waited < 10  # woken, not timed out (20 s)
-    assert woken in (0, 1)  # 0 only if it saw the value change before sleeping
+    assert woken == 1
+
+
+def _wchan(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _ponger(name: str, rounds: int) -> None:
