@@ -29,6 +29,8 @@ from superfluid.daemon.worker import add_runtime_args
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, SegmentConfig, shm_dir
 
+from tests.daemon.conftest import live_workers
+
 WAIT_S = 60.0  # generous: a loaded 2-core CI box starts a worker in seconds, not milliseconds
 
 
@@ -38,25 +40,6 @@ def wait_for(pred: Callable[[], object], what: str, timeout: float = WAIT_S) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
-
-
-def live_workers(name: str) -> list[int]:
-    """Pids of live (not zombie) processes whose command line names a segment of `name`."""
-    marker = f"superfluid.{name}.".encode()
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{d}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and b"superfluid.daemon.worker" in cmd and state != b"Z":
-            pids.append(int(d))
-    return pids
 
 
 def segment_files(name: str) -> list[str]:

@@ -23,6 +23,8 @@ from superfluid.engine.sampling import sample
 from superfluid.engine.tiny import default_model_dir
 from superfluid.rings.segment import shm_dir
 
+from tests.daemon.conftest import live_workers
+
 TRIALS = 20
 PHASES = ("mid-prefill", "mid-decode", "between-ticks", "host-waiting")
 
@@ -51,23 +53,6 @@ def submit_all(planner: Planner, reqs: list[dict]) -> list[int]:
                            rng_base=r["rng_base"], stop_at_eos=False,
                            host_sampler=host_sampler(r["params"]) if r["sampling"] == Sampling.HOST else None)
             for r in reqs]
-
-
-def live_workers(name: str) -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{d}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"superfluid.{name}.".encode() in cmd and state != b"Z":
-            pids.append(int(d))
-    return pids
 
 
 @pytest.fixture(scope="module")
