@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 
 .PHONY: setup test demo fuzz bench clean
 
-$(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/_build.py
+$(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/_build.py kernels/sf_cpu.c kernels/_build_cpu.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)

@@ -43,6 +43,6 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
     if cfg.sliding_window:
         # Within the window, sliding-window attention is full attention: stay there.
         limit = min(limit, cfg.sliding_window)
-    model = Model(cfg, weights, get_backend(backend, invariant), device=dev, dtype=dtype,
+    model = Model(cfg, weights, get_backend(backend, invariant, dev), device=dev, dtype=dtype,
                   max_seq_len=min(max_seq_len or limit, limit))
     return TransformerRuntime(model, specials=_specials(path), **pool_options)

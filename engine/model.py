@@ -4,7 +4,9 @@ All tokens of all feeds of a step go through the linear layers as one batch;
 attention takes each token over its own sequence's cells (kernels/attention.py).
 The ops come from a backend (kernels/backend.py): torch, or Triton kernels
 for the elementwise and attention parts. Projections are fused (q/k/v into
-one matrix, gate/up into another) so a layer is four GEMMs.
+one matrix, gate/up into another) so a layer is four GEMMs. On the CPU
+backend the weights are packed once here, at load (no first-step packing),
+and a layer is seven calls into the C kernels (_forward_cpu).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import functools
 import torch
 
 from superfluid.engine.config import ModelConfig, rope_cos_sin
-from superfluid.kernels.attention import AttnBatch
+from superfluid.kernels.attention import AttnBatch, heads_major
 from superfluid.kernels.backend import Backend
+
+_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclasses.dataclass
@@ -79,6 +83,24 @@ class Model:
         self.cos = cos.to(self.device)
         self.sin = sin.to(self.device)
         self.scale = cfg.head_dim ** -0.5
+        if backend.fused_cpu:
+            self._pack(backend.cpu)
+
+    def _pack(self, cpu) -> None:
+        """Weights as the C kernels take them: linears packed (their dtype
+        kept: float32 or bfloat16), norms float32, the embedding table as
+        is (rows are widened as they are gathered)."""
+        self.cos, self.sin = self.cos.float().contiguous(), self.sin.float().contiguous()
+        self.norm = self.norm.float()
+        self.lm_head = cpu.pack(self.lm_head)
+        for layer in self.layers:
+            for name in _LINEARS:
+                setattr(layer, name, cpu.pack(getattr(layer, name), getattr(layer, name + "_bias")))
+                setattr(layer, name + "_bias", None)
+            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+                t = getattr(layer, name)
+                if t is not None:
+                    setattr(layer, name, t.float().contiguous())
 
     @functools.cached_property
     def weight_bytes(self) -> int:
@@ -88,7 +110,7 @@ class Model:
                 t = getattr(layer, f.name)
                 if t is not None:
                     seen[id(t)] = t
-        return sum(t.numel() * t.element_size() for t in seen.values())
+        return sum(t.nbytes if hasattr(t, "out") else t.numel() * t.element_size() for t in seen.values())
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,6 +118,8 @@ class Model:
         """tokens [n] of the step; the pool's K/V [layers, blocks, page,
         kv_heads, head_dim]; `rows`: token indices whose logits are wanted
         (None: every token). Returns logits [len(rows), vocab] (float32)."""
+        if self.backend.fused_cpu:
+            return self._forward_cpu(tokens, batch, k_cache, v_cache, rows)
         cfg, be = self.cfg, self.backend
         n = tokens.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -122,3 +146,24 @@ class Model:
             x = x[rows]
         x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
         return be.linear(x, self.lm_head).float()
+
+    def _forward_cpu(self, tokens: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: torch.Tensor | None) -> torch.Tensor:
+        """The CPU kernels' forward: float32 activations whatever the weights'
+        dtype; `lay` a kernels.cpu.StepLayout; residual adds fused into the
+        o and down GEMMs."""
+        cpu, cfg = self.backend.cpu, self.cfg
+        eps = cfg.rms_norm_eps
+        x = cpu.embed(self.embed, tokens)
+        for li, layer in enumerate(self.layers):
+            h = cpu.rmsnorm(x, layer.attn_norm, eps)
+            qkv = cpu.linear(h, layer.qkv)
+            a = cpu.attention(qkv, lay, heads_major(k_cache[li]), heads_major(v_cache[li]), n_heads=cfg.num_heads,
+                              n_kv=cfg.num_kv_heads, head_dim=cfg.head_dim, cos=self.cos, sin=self.sin,
+                              q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps, scale=self.scale)
+            cpu.linear(a, layer.o, out=x, residual=True)
+            h = cpu.rmsnorm(x, layer.mlp_norm, eps)
+            cpu.linear(cpu.silu_mul(cpu.linear(h, layer.gate_up)), layer.down, out=x, residual=True)
+        if rows is not None:
+            x = x[rows]
+        return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)

@@ -35,7 +35,7 @@ from superfluid.engine.runtime import (
     UnknownSequence,
     Vocabulary,
 )
-from superfluid.kernels.attention import KEY_CHUNK, DenseKV, build_batch
+from superfluid.kernels.attention import KEY_CHUNK, DenseKV
 
 _EXPORT_MAGIC = b"SFKV"
 # magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 of the payload
@@ -164,7 +164,7 @@ class TransformerRuntime(Runtime):
             for s, f in zip(states, feeds):
                 self.pool.grow(s, len(f.tokens))
             layout = [(s.blocks, s.length, len(f.tokens)) for s, f in zip(states, feeds)]
-            batch = build_batch(layout, self.pool.page, self.cfg.num_heads // self.cfg.num_kv_heads, device=dev)
+            batch = self.model.backend.layout(layout, self.pool.page, self.cfg.num_heads // self.cfg.num_kv_heads, dev)
             mirrored = self._mirrors.attach(self.pool, batch, feeds, states) if self._mirrors else []
             tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=dev)
             row_index = None

@@ -83,6 +83,25 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def token_layout(feeds: list[tuple[list[int], int, int]], page: int) -> tuple[np.ndarray, ...]:
+    """Per feed (block table, cells before the step, tokens fed), in step
+    order: tokens fed, start, first token in the step, the TRASH-padded
+    block tables; per token: its feed, position and the flat cell its K/V
+    goes to."""
+    nf = len(feeds)
+    n = np.fromiter((f[2] for f in feeds), dtype=np.int64, count=nf)
+    start = np.fromiter((f[1] for f in feeds), dtype=np.int64, count=nf)
+    first = np.cumsum(n) - n
+    width = max((len(f[0]) for f in feeds), default=0)
+    table = np.zeros((nf, max(width, 1)), dtype=np.int64)
+    for i, f in enumerate(feeds):
+        table[i, :len(f[0])] = f[0]
+    feed_of = np.repeat(np.arange(nf), n)
+    positions = np.arange(int(n.sum())) - np.repeat(first, n) + np.repeat(start, n)
+    cells = table[feed_of, positions // page] * page + positions % page
+    return n, start, first, table, feed_of, positions, cells
+
+
 def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: int,
                 device: str | torch.device = "cpu", max_group_elems: int = 1 << 24) -> AttnBatch:
     """The layout of a step. `feeds`: (block table, cells before the step,
@@ -90,18 +109,9 @@ def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: in
     Feeds are grouped by padded query length so a decode batch is one group
     and each long prefill its own; grouping never changes a result."""
     nf = len(feeds)
-    n = np.fromiter((f[2] for f in feeds), dtype=np.int64, count=nf)
-    start = np.fromiter((f[1] for f in feeds), dtype=np.int64, count=nf)
+    n, start, first, table, feed_of, positions, cells = token_layout(feeds, page)
     end = start + n
-    first = np.cumsum(n) - n  # each feed's first token in the step
     n_tokens = int(n.sum())
-    width = max((len(f[0]) for f in feeds), default=0)
-    table = np.zeros((nf, max(width, 1)), dtype=np.int64)  # block tables, TRASH-padded
-    for i, f in enumerate(feeds):
-        table[i, :len(f[0])] = f[0]
-    feed_of = np.repeat(np.arange(nf), n)
-    positions = np.arange(n_tokens) - np.repeat(first, n) + np.repeat(start, n)
-    cells = table[feed_of, positions // page] * page + positions % page
     # Rows per token are q_per_kv; pad the token count so rows are a multiple of ROW_TILE.
     tq_unit = ROW_TILE // math.gcd(q_per_kv, ROW_TILE)
     key_unit = KEY_CHUNK * page // math.gcd(KEY_CHUNK, page)

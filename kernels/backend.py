@@ -1,12 +1,16 @@
 """The ops a forward pass is made of, by backend.
 
-`torch` is pure torch (CPU or GPU; the CPU serving path). `triton` swaps in
+`torch` on a CPU is the C kernels of sf_cpu.c (CpuBackend: packed weights,
+a fused attention over the paged pool; the serving path); elsewhere, or with
+SUPERFLUID_CPU_KERNELS=0, pure torch (the reference ops). `triton` swaps in
 the Triton kernels of this folder for the elementwise ops, the KV write and
 attention, keeping torch GEMMs. `invariant=False` is only for measuring what
 batch invariance costs: plain GEMMs and a plain masked softmax attention.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,6 +26,8 @@ BACKENDS = ("torch", "triton")
 
 class Backend:
     name = "torch"
+    # Whether the model runs the C kernels' forward (packed weights, StepLayout).
+    fused_cpu = False
     # The pool stores each layer [kv_heads, blocks, page, head_dim] underneath:
     # a block table then gathers one head's cells as one contiguous run.
     heads_major_kv = True
@@ -59,11 +65,32 @@ class Backend:
     # Whether attention can read a group's keys from a DenseKV kept across steps.
     dense_kv = True
 
+    def layout(self, feeds, page: int, q_per_kv: int, device):
+        return _attn.build_batch(feeds, page, q_per_kv, device=device)
+
     def attention(self, q, k_cache, v_cache, batch: _attn.AttnBatch, scale: float,
                   layer: int | None = None) -> torch.Tensor:
         if self.invariant:
             return _attn.attention_torch(q, k_cache, v_cache, batch, scale, layer)
         return _attn.attention_plain(q, k_cache, v_cache, batch, scale, layer)
+
+
+class CpuBackend(Backend):
+    """The CPU serving path: kernels/cpu.py (sf_cpu.c), invariant by
+    construction at any width and thread count. The model packs its weights
+    once at load and calls the kernels directly (Model._forward_cpu)."""
+
+    fused_cpu = True
+    dense_kv = False  # attention reads the paged pool in place
+
+    def __init__(self):
+        super().__init__(True)
+        from superfluid.kernels import cpu
+
+        self.cpu = cpu
+
+    def layout(self, feeds, page, q_per_kv, device):
+        return self.cpu.step_layout(feeds, page)
 
 
 class TritonBackend(Backend):
@@ -104,8 +131,13 @@ def _spec_columns(specs) -> tuple[list, list, list, list, list]:
             [s.min_p for s in specs], [s.rng_position for s in specs])
 
 
-def get_backend(name: str, invariant: bool = True) -> Backend:
+def get_backend(name: str, invariant: bool = True, device: str | torch.device = "cpu") -> Backend:
     if name == "torch":
+        if invariant and torch.device(device).type == "cpu" and os.environ.get("SUPERFLUID_CPU_KERNELS", "1") != "0":
+            from superfluid.kernels import cpu
+
+            if cpu.available():
+                return CpuBackend()
         return Backend(invariant)
     if name == "triton":
         return TritonBackend(invariant)

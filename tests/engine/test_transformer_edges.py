@@ -136,10 +136,12 @@ def test_two_holders_of_a_shared_partial_block_fed_together_copy_it_once(ckpt):
         r2.step([Feed(a, [7]), Feed(b, [8]), Feed(d, [6])])
 
 
-def test_decode_mirrors_stay_within_twice_the_pool_and_skip_padding(ckpt):
+def test_decode_mirrors_stay_within_twice_the_pool_and_skip_padding(ckpt, monkeypatch):
     # A mirror pads every row to the longest sequence: one long lane among short
     # ones, or a pool too small for it, and the group reads the pool instead,
-    # with the same rows.
+    # with the same rows. Mirrors belong to the pure-torch path (the CPU kernels
+    # read the pool in place).
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "0")
     def decode(kv_cells, lengths):
         r = _rt(ckpt, kv_cells=kv_cells)
         seqs = [r.seq_create() for _ in lengths]

@@ -1,0 +1,167 @@
+"""The torch backend's CPU kernels (sf_cpu.c through cffi), on torch tensors.
+
+Each is batch invariant by construction (sf_cpu.c's header says how): a
+row's bits never depend on the rows beside it, the thread count or the
+ISA. Weights are packed once, at load, into panels of PANEL output
+features [panels, in, PANEL] so a GEMM streams them in order; activations
+stay float32 whatever the weights' dtype (float32 or bfloat16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch  # first: the extension then shares torch's libgomp (one OpenMP pool)
+
+try:
+    from superfluid.kernels._cpu import ffi, lib
+except ImportError:  # pragma: no cover - a build without the extension
+    ffi = lib = None
+
+PANEL = 16
+ISA_NAMES = {0: "scalar", 1: "avx2+fma"}
+
+
+def available() -> bool:
+    return lib is not None
+
+
+def isa() -> str:
+    """The ISA the kernels run on here."""
+    return ISA_NAMES[lib.sf_cpu_isa()] if lib is not None else "unavailable"
+
+
+def force_isa(level: int | None) -> None:
+    """Run on a lower ISA (0: scalar) until reset with None: for tests that
+    every path gives the same bits."""
+    lib.sf_cpu_force_isa(-1 if level is None else level)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _f(t: torch.Tensor | None):
+    return ffi.NULL if t is None else ffi.cast("float *", t.data_ptr())
+
+
+def _i64(t: torch.Tensor):
+    return ffi.cast("int64_t *", t.data_ptr())
+
+
+def _v(t: torch.Tensor):
+    return ffi.cast("void *", t.data_ptr())
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (rc {rc}): out of memory or bad arguments")
+
+
+@dataclasses.dataclass
+class Packed:
+    """A linear layer's weight [out, in] packed for sf_linear, and its bias."""
+
+    w: torch.Tensor  # [panels, in, PANEL], float32 or bfloat16
+    out: int
+    inp: int
+    bias: torch.Tensor | None  # float32 [out]
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.numel() * 4
+        return self.w.numel() * self.w.element_size() + b
+
+
+def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack: weights must be float32 or bfloat16, not {w.dtype}")
+    out, inp = w.shape
+    pad = (-out) % PANEL
+    wp = torch.cat([w, w.new_zeros(pad, inp)]) if pad else w
+    wp = wp.reshape(-1, PANEL, inp).transpose(1, 2).contiguous()
+    return Packed(wp, out, inp, None if bias is None else bias.float().contiguous())
+
+
+def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
+    """x [n, in] float32 -> [n, out] float32 (y = x W.T + b). With residual,
+    `out` holds x' and gets x' + (x W.T + b), rounded as torch would."""
+    n = x.shape[0]
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    if out is None:
+        out = x.new_empty((n, p.out))
+    _check(lib.sf_linear(_f(x), x.stride(0), n, p.inp, _v(p.w), int(p.w.dtype == torch.bfloat16), p.out,
+                         _f(p.bias), _f(out), out.stride(0), int(residual), _threads()), "sf_linear")
+    return out
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=torch.float32)
+    _check(lib.sf_rmsnorm(_f(rows), rows.stride(0), rows.shape[0], d, _f(w), eps, _f(y), d, _threads()),
+           "sf_rmsnorm")
+    return y.view(x.shape)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gu [n, 2 * inter] (gate first) -> [n, inter]."""
+    n, two = gu.shape
+    inter = two // 2
+    out = gu.new_empty((n, inter))
+    _check(lib.sf_silu_mul(_f(gu), gu.stride(0), n, inter, _f(out), inter, _threads()), "sf_silu_mul")
+    return out
+
+
+def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    ids = ids.to(torch.int64).contiguous()
+    n, d = ids.shape[0], table.shape[1]
+    out = torch.empty((n, d), dtype=torch.float32)
+    if n and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
+        raise IndexError("embed: a token outside the table")
+    _check(lib.sf_embed(_v(table), int(table.dtype == torch.bfloat16), d, _i64(ids), n, _f(out)), "sf_embed")
+    return out
+
+
+@dataclasses.dataclass
+class StepLayout:
+    """What attention needs of a step: each token's position, the cell its
+    K/V goes to, its feed, and the feeds' block tables (never lanes)."""
+
+    positions: torch.Tensor  # int64 [n]
+    cells: torch.Tensor  # int64 [n]
+    feed_of: torch.Tensor  # int64 [n]
+    tables: torch.Tensor  # int64 [feeds, width]
+    page: int
+
+
+def step_layout(feeds: list[tuple[list[int], int, int]], page: int) -> StepLayout:
+    """A step's layout from (block table, cells before, tokens fed) per feed."""
+    from superfluid.kernels.attention import token_layout
+
+    _, _, _, table, feed_of, positions, cells = token_layout(feeds, page)
+    return StepLayout(torch.from_numpy(positions), torch.from_numpy(cells), torch.from_numpy(feed_of),
+                      torch.from_numpy(table), page)
+
+
+def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor, *, n_heads: int,
+              n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+              k_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
+    """qkv [n, (heads + 2 kv) head_dim] (rotated in place; K/V stored into
+    the layer's pool, heads-major [kv, blocks, page, head_dim]) -> the
+    attention output [n, heads * head_dim]."""
+    n = qkv.shape[0]
+    if k_pool.dtype not in (torch.float32, torch.bfloat16) or not k_pool.is_contiguous():
+        raise ValueError("attention: the pool must be a contiguous float32/bfloat16 heads-major layer")
+    out = qkv.new_empty((n, n_heads * head_dim))
+    head_stride = k_pool.stride(0)
+    t = layout.tables
+    _check(lib.sf_attention(_f(qkv), qkv.stride(0), n, n_heads, n_kv, head_dim, _i64(layout.positions),
+                            _i64(layout.cells), _i64(layout.feed_of), _i64(t), t.shape[1], _f(cos), _f(sin),
+                            _f(q_norm), _f(k_norm), eps, _v(k_pool), _v(v_pool),
+                            int(k_pool.dtype == torch.bfloat16), head_stride, layout.page, scale, _f(out),
+                            out.stride(0), _threads()), "sf_attention")
+    return out

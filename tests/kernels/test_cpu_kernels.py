@@ -1,0 +1,162 @@
+"""The CPU kernels (kernels/cpu.py over sf_cpu.c) against their torch
+references, and invariant by construction: a row's bits do not depend on
+the other rows, the thread count, or the ISA (the scalar path is the same
+arithmetic one lane at a time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from superfluid.kernels import cpu
+from superfluid.kernels.attention import attention_torch, build_batch
+from superfluid.kernels.rmsnorm import rmsnorm_torch
+from superfluid.kernels.rope import rope_torch
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built")
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def scalar(fn):
+    cpu.force_isa(0)
+    try:
+        return fn()
+    finally:
+        cpu.force_isa(None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out,inp", [(37, 19), (512, 1536), (1040, 512)])
+def test_linear_matches_float64(dtype, out, inp):
+    torch.manual_seed(out)
+    w, b = torch.randn(out, inp).to(dtype), torch.randn(out)
+    x, base = torch.randn(101, inp), torch.randn(101, out)
+    p = cpu.pack(w, b)
+    ref = x.double() @ w.double().T + b.double()
+    tol = 2e-6 * inp ** 0.5 * 8
+    assert (cpu.linear(x, p).double() - ref).abs().max() < tol
+    y = base.clone()
+    cpu.linear(x, p, out=y, residual=True)
+    assert torch.equal(y, base + cpu.linear(x, p))  # the residual add rounds as torch's x + linear(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dtype, threads):
+    torch.manual_seed(1)
+    w = torch.randn(1100, 1536).to(dtype)  # a K beyond two cache blocks, outputs past a panel edge
+    p = cpu.pack(w)
+    x = torch.randn(200, 1536)
+    threads(1)
+    ref = cpu.linear(x[:1], p)[0]
+    for t in (1, 2, 3):
+        threads(t)
+        for n in (1, 2, 5, 6, 7, 13, 96, 97, 200):
+            for at in {0, n // 2, n - 1}:
+                xx = x[:n].clone()
+                xx[at] = x[0]
+                assert torch.equal(cpu.linear(xx, p)[at], ref), (t, n, at)
+    full = cpu.linear(x, p)
+    assert torch.equal(scalar(lambda: cpu.linear(x, p)), full)
+    assert not torch.equal(full[0], full[1])  # rows differ: the equalities above are not vacuous
+
+
+def test_rmsnorm_and_silu_mul_match_torch_and_the_scalar_path():
+    torch.manual_seed(2)
+    x, w = torch.randn(33, 520) * 3, torch.rand(520)
+    got = cpu.rmsnorm(x, w, 1e-6)
+    assert torch.allclose(got, rmsnorm_torch(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    assert torch.equal(scalar(lambda: cpu.rmsnorm(x, w, 1e-6)), got)
+    assert torch.equal(cpu.rmsnorm(x[7:8], w, 1e-6)[0], got[7])
+    gu = torch.randn(9, 2 * 203) * 5  # an intermediate size that leaves a tail
+    got = cpu.silu_mul(gu)
+    ref = torch.nn.functional.silu(gu[:, :203].double()) * gu[:, 203:].double()
+    assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(scalar(lambda: cpu.silu_mul(gu)), got)
+    assert torch.equal(cpu.silu_mul(gu[4:5])[0], got[4])
+
+
+def test_embed_widens_bf16_rows_exactly():
+    table = torch.randn(50, 24).to(torch.bfloat16)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(cpu.embed(table, ids), table[ids].float())
+    with pytest.raises(IndexError):
+        cpu.embed(table, torch.tensor([50]))
+
+
+def _attend(q, k, v, feeds, k_pool, v_pool, cos, sin, qn=None, kn=None):
+    n, nh, d = q.shape
+    nkv = k.shape[1]
+    qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], 1)
+    return cpu.attention(qkv, cpu.step_layout(feeds, k_pool.shape[2]), k_pool, v_pool, n_heads=nh, n_kv=nkv,
+                         head_dim=d, cos=cos, sin=sin, q_norm=qn, k_norm=kn, eps=1e-6, scale=d ** -0.5).view(n, nh, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_matches_the_torch_reference(dtype):
+    torch.manual_seed(3)
+    page, nkv, g, d, blocks = 16, 2, 3, 64, 40
+    pool_k = torch.randn(nkv, blocks, page, d).to(dtype)
+    pool_v = torch.randn(nkv, blocks, page, d).to(dtype)
+    feeds = [([5, 9, 2, 30, 31], 70, 1), ([1, 3], 20, 4), ([7, 8, 10, 11, 12, 13, 14], 100, 9)]
+    n = sum(f[2] for f in feeds)
+    q, k, v = torch.randn(n, nkv * g, d), torch.randn(n, nkv, d), torch.randn(n, nkv, d)
+    angles = torch.arange(256.)[:, None] * 0.01 * torch.arange(1., d // 2 + 1)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    kp, vp = pool_k.clone(), pool_v.clone()
+    got = _attend(q, k, v, feeds, kp, vp, cos, sin)
+    # the reference: rope, write the cells, attend (float32 over the same pool)
+    lay = cpu.step_layout(feeds, page)
+    qr, kr = rope_torch(q, cos, sin, lay.positions), rope_torch(k, cos, sin, lay.positions)
+    rk, rv = pool_k.float().clone(), pool_v.float().clone()
+    c = lay.cells
+    rk[:, c // page, c % page] = kr.to(dtype).float().transpose(0, 1)
+    rv[:, c // page, c % page] = v.to(dtype).float().transpose(0, 1)
+    assert torch.equal(kp.float(), rk) and torch.equal(vp.float(), rv)  # this step's cells, stored
+    ref = attention_torch(qr, rk.permute(1, 2, 0, 3), rv.permute(1, 2, 0, 3), build_batch(feeds, page, g), d ** -0.5)
+    assert (got - ref).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_ignore_other_feeds_threads_and_isa(dtype, threads):
+    torch.manual_seed(4)
+    page, nkv, g, d, blocks = 16, 2, 2, 32, 64
+    pool_k = torch.randn(nkv, blocks, page, d).to(dtype)
+    pool_v = torch.randn(nkv, blocks, page, d).to(dtype)
+    cos, sin = torch.rand(512, d // 2), torch.rand(512, d // 2)
+    lane = ([5, 9, 2, 30, 31], 70, 1)
+    ql, kl, vl = torch.randn(1, nkv * g, d), torch.randn(1, nkv, d), torch.randn(1, nkv, d)
+    threads(1)
+    alone = _attend(ql, kl, vl, [lane], pool_k.clone(), pool_v.clone(), cos, sin)[0]
+    others = [([1, 3], 20, 4), ([7, 8, 10, 11, 12, 13, 14], 100, 1), ([40], 0, 9)]
+    for t in (1, 2):
+        threads(t)
+        for at in range(len(others) + 1):
+            feeds = others[:at] + [lane] + others[at:]
+            n = sum(f[2] for f in feeds)
+            q, k, v = torch.randn(n, nkv * g, d), torch.randn(n, nkv, d), torch.randn(n, nkv, d)
+            first = sum(f[2] for f in feeds[:at])
+            q[first], k[first], v[first] = ql[0], kl[0], vl[0]
+            out = _attend(q, k, v, feeds, pool_k.clone(), pool_v.clone(), cos, sin)
+            assert torch.equal(out[first], alone), (t, at)
+    got = scalar(lambda: _attend(ql, kl, vl, [lane], pool_k.clone(), pool_v.clone(), cos, sin))[0]
+    assert torch.equal(got, alone)
+
+
+def test_attention_qk_norm_is_rmsnorm_per_head_before_rope():
+    torch.manual_seed(5)
+    page, nkv, g, d = 8, 1, 2, 16
+    kp, vp = torch.zeros(nkv, 4, page, d), torch.zeros(nkv, 4, page, d)
+    q, k, v = torch.randn(3, g, d), torch.randn(3, nkv, d), torch.randn(3, nkv, d)
+    qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    cos, sin = torch.rand(16, d // 2), torch.rand(16, d // 2)
+    _attend(q, k, v, [([1], 0, 3)], kp, vp, cos, sin, qn, kn)
+    want = rope_torch(rmsnorm_torch(k, kn, 1e-6), cos, sin, torch.arange(3))
+    assert torch.allclose(kp[0, 1, :3], want[:, 0], rtol=1e-6, atol=1e-6)
