@@ -35,7 +35,11 @@ def build_runtime(args: argparse.Namespace):
     model = args.model or str(default_model_dir())
     return load(model, args.backend, kv_cells=args.kv_cells or 16384, page=args.page, max_batch=args.max_batch,
                 max_seqs=args.max_seqs, prefill_step_tokens=args.prefill_step_tokens,
-                max_seq_len=args.max_seq_len or None)
+                max_seq_len=args.max_seq_len or None, dtype=_DTYPES[getattr(args, "dtype", None) or "auto"])
+
+
+# auto: float32 on a CPU, the checkpoint's dtype on a GPU.
+_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
 
 
 def _at_least(lo: int) -> Callable[[str], int]:
@@ -66,9 +70,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="cap on cells per sequence (default: the model's)")
     p.add_argument("--prefill-step-tokens", type=_at_least(0), default=512,
                    help="tokens per prefill step (default 512)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
+                   help="weights and KV: fp32, or bf16 (half the bytes; activations stay float32 on a CPU); "
+                        "default auto: fp32 on a CPU, the checkpoint's on a GPU")
     p.add_argument("--threads", type=_at_least(0), default=0,
-                   help="torch intra-op threads per worker (default: torch's choice). Keep workers x threads "
-                        "at or under the free cores: OpenMP barriers spin, and a descheduled thread stalls all")
+                   help="threads per worker (default: torch's choice), for the CPU kernels and torch. Keep "
+                        "workers x threads at or under the free cores")
 
 
 def main(argv: list[str] | None = None) -> int:

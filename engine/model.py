@@ -83,6 +83,7 @@ class Model:
         self.cos = cos.to(self.device)
         self.sin = sin.to(self.device)
         self.scale = cfg.head_dim ** -0.5
+        self.stack = None
         if backend.fused_cpu:
             self._pack(backend.cpu)
 
@@ -101,6 +102,10 @@ class Model:
                 t = getattr(layer, name)
                 if t is not None:
                     setattr(layer, name, t.float().contiguous())
+        cfg = self.cfg
+        self.stack = cpu.Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim, inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                               scale=self.scale, cos=self.cos, sin=self.sin)
 
     @functools.cached_property
     def weight_bytes(self) -> int:
@@ -152,9 +157,23 @@ class Model:
         """The CPU kernels' forward: float32 activations whatever the weights'
         dtype; `lay` a kernels.cpu.StepLayout; residual adds fused into the
         o and down GEMMs."""
+        cpu, eps = self.backend.cpu, self.cfg.rms_norm_eps
+        x = cpu.embed(self.embed, tokens)
+        if self.stack is not None:
+            n_layers = len(self.layers)
+            self.stack.forward(x, lay, [heads_major(k_cache[i]) for i in range(n_layers)],
+                               [heads_major(v_cache[i]) for i in range(n_layers)])
+        else:
+            self._layers_cpu(x, lay, k_cache, v_cache)
+        if rows is not None:
+            x = x[rows]
+        return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
+
+    def _layers_cpu(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The layers one kernel call at a time: what sf_forward does in C,
+        kept as its reference (tests compare the two bitwise)."""
         cpu, cfg = self.backend.cpu, self.cfg
         eps = cfg.rms_norm_eps
-        x = cpu.embed(self.embed, tokens)
         for li, layer in enumerate(self.layers):
             h = cpu.rmsnorm(x, layer.attn_norm, eps)
             qkv = cpu.linear(h, layer.qkv)
@@ -164,6 +183,3 @@ class Model:
             cpu.linear(a, layer.o, out=x, residual=True)
             h = cpu.rmsnorm(x, layer.mlp_norm, eps)
             cpu.linear(cpu.silu_mul(cpu.linear(h, layer.gate_up)), layer.down, out=x, residual=True)
-        if rows is not None:
-            x = x[rows]
-        return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch  # first: the extension then shares torch's libgomp (one OpenMP pool)
+import torch
 
 try:
     from superfluid.kernels._cpu import ffi, lib
@@ -37,8 +37,24 @@ def force_isa(level: int | None) -> None:
     lib.sf_cpu_force_isa(-1 if level is None else level)
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+_threads_set: int | None = None
+
+
+def set_threads(n: int | None) -> None:
+    """Threads the kernels use (None: follow torch.get_num_threads()). Apart
+    from torch's own, so torch can stay at one thread: its OpenMP threads
+    spin after each region and take a core from the kernels' helpers."""
+    global _threads_set
+    if n is not None and n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    _threads_set = n
+
+
+def threads() -> int:
+    return _threads_set or torch.get_num_threads()
+
+
+_threads = threads
 
 
 def _f(t: torch.Tensor | None):
@@ -51,6 +67,23 @@ def _i64(t: torch.Tensor):
 
 def _v(t: torch.Tensor):
     return ffi.cast("void *", t.data_ptr())
+
+
+def _profiled(fn):
+    """Shows the kernel in torch.profiler tables (bench engine --profile) as
+    sf::<name>; nothing is added when no profiler runs."""
+    import functools
+
+    label = f"sf::{fn.__name__}"
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _check(rc: int, what: str) -> None:
@@ -83,6 +116,7 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
     return Packed(wp, out, inp, None if bias is None else bias.float().contiguous())
 
 
+@_profiled
 def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
     """x [n, in] float32 -> [n, out] float32 (y = x W.T + b). With residual,
     `out` holds x' and gets x' + (x W.T + b), rounded as torch would."""
@@ -96,6 +130,7 @@ def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual
     return out
 
 
+@_profiled
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     rows = x.reshape(-1, d)
@@ -107,6 +142,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
+@_profiled
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gu [n, 2 * inter] (gate first) -> [n, inter]."""
     n, two = gu.shape
@@ -116,6 +152,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@_profiled
 def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     ids = ids.to(torch.int64).contiguous()
     n, d = ids.shape[0], table.shape[1]
@@ -147,6 +184,7 @@ def step_layout(feeds: list[tuple[list[int], int, int]], page: int) -> StepLayou
                       torch.from_numpy(table), page)
 
 
+@_profiled
 def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor, *, n_heads: int,
               n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
               k_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
@@ -165,3 +203,63 @@ def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_poo
                             int(k_pool.dtype == torch.bfloat16), head_stride, layout.page, scale, _f(out),
                             out.stride(0), _threads()), "sf_attention")
     return out
+
+
+class Stack:
+    """Every decoder layer's weights as sf_forward takes them, built once at
+    load; `run` is one call into C a step for all layers (at batch 1 the
+    seven calls a layer cost a third of the step in Python)."""
+
+    def __init__(self, layers, *, hidden: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float,
+                 scale: float, cos: torch.Tensor, sin: torch.Tensor):
+        self._keep = [cos, sin]
+        self.shape = (hidden, n_heads, n_kv, head_dim, inter)
+        self.layers = ffi.new("sf_layer[]", len(layers))
+        bf16 = {L.qkv.w.dtype == torch.bfloat16 for L in layers}
+        if len(bf16) > 1:
+            raise ValueError("Stack: every layer's weights must share one dtype")
+        for c, L in zip(self.layers, layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(L, name)
+                setattr(c, name, _v(lin.w))
+                setattr(c, name + "_b", _f(lin.bias))
+                self._keep += [lin.w, lin.bias]
+            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+                t = getattr(L, name)
+                setattr(c, name, _f(t))
+                self._keep.append(t)
+        self.model = ffi.new("sf_model *", dict(
+            n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter,
+            bf16=int(bf16 == {True}), eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
+        self._pool = None
+
+    def _attach(self, k_pools, v_pools) -> None:
+        key = (k_pools[0].data_ptr(), v_pools[0].data_ptr())
+        if self._pool == key:
+            return
+        for c, k, v in zip(self.layers, k_pools, v_pools):
+            if not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("Stack: each layer's pool must be contiguous heads-major")
+            c.k_pool, c.v_pool = _v(k), _v(v)
+        m = self.model
+        m.kv_bf16, m.head_stride, m.page = int(k_pools[0].dtype == torch.bfloat16), k_pools[0].stride(0), \
+            k_pools[0].shape[2]
+        self._keep_pool = (k_pools, v_pools)
+        self._pool = key
+
+    @_profiled
+    def forward(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools) -> torch.Tensor:
+        """x [n, hidden] float32 (the embeddings) through every layer, in place."""
+        self._attach(k_pools, v_pools)
+        hidden, nh, nkv, hd, inter = self.shape
+        n = x.shape[0]
+        h = x.new_empty((n, max(hidden, nh * hd)))
+        qkv = x.new_empty((n, (nh + 2 * nkv) * hd))
+        att = x.new_empty((n, nh * hd))
+        gu = x.new_empty((n, 2 * inter))
+        act = x.new_empty((n, inter))
+        t = layout.tables
+        _check(lib.sf_forward(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
+                              _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
+                              _threads()), "sf_forward")
+        return x

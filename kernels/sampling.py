@@ -69,7 +69,6 @@ def sample_torch(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Pa
     k = _param(top_k, B, torch.int64, dev)
     p = _param(top_p, B, torch.float64, dev)
     mp = _param(min_p, B, torch.float64, dev)
-    u = uniform_torch(_positions(position, B, dev))
     if B == 0 or V == 0:
         return torch.zeros(B, dtype=torch.int64, device=dev)
 
@@ -89,6 +88,7 @@ def sample_torch(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Pa
         out = greedy.clone()
         out[r] = sample_torch(rows[r], temp[r], k[r], p[r], mp[r], _positions(position, B, dev)[r])
         return out
+    u = uniform_torch(_positions(position, B, dev))  # (greedy rows draw nothing)
     z = x.to(torch.float64) / torch.where(samp, temp, 1.0)[:, None]
     keep = torch.isfinite(z)
     n = keep.sum(1)

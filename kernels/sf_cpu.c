@@ -16,13 +16,21 @@
  *     ordered 8-lane sum, then a value fma chain over the keys in order).
  * The scalar path does the same operations one lane at a time (fmaf for
  * fma), so it gives the same bits as the AVX2 path; tests check both.
+ * Threads share work as numbered tasks (`parallel`, below): which thread
+ * runs a task never changes what the task computes.
  */
+#include "sf_cpu.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -53,6 +61,126 @@ int sf_cpu_isa(void) {
 
 /* Run on a lower ISA (0: scalar), for tests that the paths agree; -1 resets. */
 void sf_cpu_force_isa(int isa) { g_force = isa; }
+
+/* ------------------------------------------------------------ the pool
+ *
+ * Work is a job of numbered tasks that threads claim one at a time; a job
+ * is over when its tasks are done, not when every thread has checked in. On
+ * a shared box a helper thread that is not scheduled just misses the job
+ * (an OpenMP barrier waits a timeslice for it: ~4 ms a region, seen here).
+ * Which thread runs a task never changes a bit of its result.
+ *
+ * One 64-bit word says what can be claimed: job generation (16 bits), the
+ * helpers let in (6), tasks (21) and the next task (21). A claim is a CAS on
+ * it, so a helper that wakes late cannot take a task of a later job. */
+#define MAX_HELPERS 63
+#define SPIN_WAIT 20000
+
+typedef void (*task_fn)(const void *ctx, long task);
+
+static struct {
+    pthread_mutex_t lock, job; /* helper creation; the one job in flight */
+    int helpers;
+    _Atomic uint64_t word;
+    _Atomic uint32_t gen; /* the futex helpers sleep on */
+    _Atomic int sleepers;
+    _Atomic long done;
+    task_fn fn;
+    const void *ctx;
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER, .job = PTHREAD_MUTEX_INITIALIZER};
+
+#define W_GEN(w) ((uint32_t)((w) >> 48))
+#define W_WANT(w) ((int)(((w) >> 42) & 63))
+#define W_TASKS(w) ((long)(((w) >> 21) & 0x1fffff))
+#define W_NEXT(w) ((long)((w) & 0x1fffff))
+#define MAX_TASKS 0x1fffff
+
+static inline void cpu_relax(void) {
+#if SF_X86
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and run tasks of job `gen` until none is left. */
+static void run_tasks(uint32_t gen, int helper) {
+    for (;;) {
+        uint64_t w = atomic_load_explicit(&P.word, memory_order_acquire);
+        if ((W_GEN(w) != (gen & 0xffff)) || W_NEXT(w) >= W_TASKS(w) || helper > W_WANT(w)) return;
+        if (!atomic_compare_exchange_weak_explicit(&P.word, &w, w + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue;
+        /* task W_NEXT(w) of a job that cannot end before it is done: fn/ctx are that job's */
+        P.fn(P.ctx, W_NEXT(w));
+        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+    }
+}
+
+static void *helper_main(void *arg) {
+    int me = (int)(long)arg; /* 1-based */
+    uint32_t seen = atomic_load_explicit(&P.gen, memory_order_acquire);
+    for (;;) {
+        uint32_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+            if (++spins < SPIN_WAIT) {
+                cpu_relax();
+                continue;
+            }
+            atomic_fetch_add(&P.sleepers, 1);
+            syscall(SYS_futex, &P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&P.sleepers, 1);
+            spins = 0;
+        }
+        seen = g;
+        run_tasks(g, me);
+    }
+    return NULL;
+}
+
+/* Run fn(ctx, 0..ntasks-1) on up to nthreads threads (the caller is one).
+ * A second caller while a job runs (another Python thread: cffi drops the
+ * GIL) runs its tasks itself. After a fork the helpers are gone and the
+ * caller does every task: still correct. */
+static void parallel(task_fn fn, const void *ctx, long ntasks, int nthreads) {
+    if (ntasks <= 0) return;
+    if (nthreads > MAX_HELPERS + 1) nthreads = MAX_HELPERS + 1;
+    if (nthreads <= 1 || ntasks == 1 || ntasks > MAX_TASKS || pthread_mutex_trylock(&P.job) != 0) {
+        for (long i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
+    if (P.helpers < nthreads - 1) {
+        pthread_mutex_lock(&P.lock);
+        while (P.helpers < nthreads - 1) {
+            pthread_t th;
+            pthread_attr_t at;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            int rc = pthread_create(&th, &at, helper_main, (void *)(long)(P.helpers + 1));
+            pthread_attr_destroy(&at);
+            if (rc) break; /* fewer helpers: still correct */
+            P.helpers++;
+        }
+        pthread_mutex_unlock(&P.lock);
+    }
+    uint32_t gen = atomic_load_explicit(&P.gen, memory_order_relaxed) + 1;
+    P.fn = fn;
+    P.ctx = ctx;
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    uint64_t w = ((uint64_t)(gen & 0xffff) << 48) | ((uint64_t)(nthreads - 1) << 42) | ((uint64_t)ntasks << 21);
+    atomic_store_explicit(&P.word, w, memory_order_release);
+    atomic_store_explicit(&P.gen, gen, memory_order_release);
+    if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, nthreads - 1, NULL, NULL, 0);
+    run_tasks(gen, 0);
+    int spins = 0;
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < ntasks) {
+        if (++spins > SPIN_WAIT) {
+            sched_yield();
+            spins = 0;
+        } else {
+            cpu_relax();
+        }
+    }
+    pthread_mutex_unlock(&P.job);
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -220,6 +348,7 @@ __attribute__((target("avx2,fma"))) static inline void load_w_bf16(const void *w
         const WT *w = (const WT *)wv;                                                                         \
         for (int k = 0; k < kn; k++, w += PANEL) {                                                            \
             __m256 w0, w1;                                                                                    \
+            if (T == 1) _mm_prefetch((const char *)(w + 128 * PANEL), _MM_HINT_T0); /* a lone token: memory-bound */ \
             LOADW(w, &w0, &w1);                                                                               \
             TROW_FMA(0) TROW_FMA(1) TROW_FMA(2) TROW_FMA(3) TROW_FMA(4) TROW_FMA(5)                           \
         }                                                                                                     \
@@ -242,49 +371,58 @@ typedef void (*tile_fn)(const void *, const float *, long, int, float *);
 static const tile_fn TILES[2][TILE_T + 1] = {{0, tf1, tf2, tf3, tf4, tf5, tf6}, {0, tb1, tb2, tb3, tb4, tb5, tb6}};
 #endif
 
+#define PANELS_PER_TASK 4
+
+typedef struct {
+    gemm_args a;
+    int panels, chunks, isa;
+} linear_job;
+
+/* Task: a block of BLOCK_T tokens x PANELS_PER_TASK panels. */
+static void linear_task(const void *ctx, long task) {
+    const linear_job *j = (const linear_job *)ctx;
+    const gemm_args *a = &j->a;
+    float acc[BLOCK_T * PANEL];
+    float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
+    int b0 = (int)(task / j->chunks) * BLOCK_T, p0 = (int)(task % j->chunks) * PANELS_PER_TASK;
+    int bn = a->n - b0 < BLOCK_T ? a->n - b0 : BLOCK_T;
+    int p1 = p0 + PANELS_PER_TASK < j->panels ? p0 + PANELS_PER_TASK : j->panels;
+    int K = a->K, bf16 = a->bf16;
+    for (int p = p0; p < p1; p++) {
+        memset(acc, 0, sizeof(float) * bn * PANEL);
+        for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
+            int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
+            long at = ((long)p * K + k0) * PANEL;
+            const void *ws = bf16 ? (const void *)((const uint16_t *)a->w + at) : (const void *)((const float *)a->w + at);
+            int wide = bf16 && bn > TILE_T;
+            if (wide) {
+                const uint16_t *src = (const uint16_t *)ws;
+                for (int i = 0; i < kn * PANEL; i++) wf[i] = bf16_to_f32(src[i]);
+                ws = wf;
+            }
+            for (int t0 = 0; t0 < bn; t0 += TILE_T) {
+                int tn = bn - t0 < TILE_T ? bn - t0 : TILE_T;
+                const float *xs = a->x + (long)(b0 + t0) * a->ldx + k0;
+#if SF_X86
+                if (j->isa >= 1) {
+                    TILES[bf16 && !wide][tn](ws, xs, a->ldx, kn, acc + t0 * PANEL);
+                    continue;
+                }
+#endif
+                tile_scalar(ws, bf16 && !wide, xs, a->ldx, tn, kn, acc + t0 * PANEL);
+            }
+        }
+        epilogue(a, acc, b0, bn, p * PANEL);
+    }
+}
+
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
     if (K <= 0 || nthreads < 1) return -1;
-    gemm_args a = {x, ldx, n, K, out, w, bf16, bias, y, ldy, resid};
-    int panels = (out + PANEL - 1) / PANEL;
-    int isa = sf_cpu_isa();
-    int nt = nthreads < panels ? nthreads : panels;
-#pragma omp parallel num_threads(nt)
-    {
-        float acc[BLOCK_T * PANEL];
-        float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
-        for (int b0 = 0; b0 < n; b0 += BLOCK_T) {
-            int bn = n - b0 < BLOCK_T ? n - b0 : BLOCK_T;
-#pragma omp for schedule(static) nowait
-            for (int p = 0; p < panels; p++) {
-                memset(acc, 0, sizeof(float) * bn * PANEL);
-                for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
-                    int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
-                    long at = ((long)p * K + k0) * PANEL;
-                    const void *ws = bf16 ? (const void *)((const uint16_t *)w + at) : (const void *)((const float *)w + at);
-                    int wide = bf16 && bn > TILE_T;
-                    if (wide) {
-                        const uint16_t *src = (const uint16_t *)ws;
-                        for (int i = 0; i < kn * PANEL; i++) wf[i] = bf16_to_f32(src[i]);
-                        ws = wf;
-                    }
-                    for (int t0 = 0; t0 < bn; t0 += TILE_T) {
-                        int tn = bn - t0 < TILE_T ? bn - t0 : TILE_T;
-                        const float *xs = x + (long)(b0 + t0) * ldx + k0;
-#if SF_X86
-                        if (isa >= 1) {
-                            TILES[bf16 && !wide][tn](ws, xs, ldx, kn, acc + t0 * PANEL);
-                            continue;
-                        }
-#endif
-                        tile_scalar(ws, bf16 && !wide, xs, ldx, tn, kn, acc + t0 * PANEL);
-                    }
-                }
-                epilogue(&a, acc, b0, bn, p * PANEL);
-            }
-        }
-    }
+    linear_job j = {{x, ldx, n, K, out, w, bf16, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, sf_cpu_isa()};
+    j.chunks = (j.panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK;
+    parallel(linear_task, &j, (long)((n + BLOCK_T - 1) / BLOCK_T) * j.chunks, nthreads);
     return 0;
 }
 
@@ -362,17 +500,31 @@ static void exp_shift(float *x, int n, float m, int isa) {
 /* ------------------------------------------------------------ RMSNorm */
 
 /* y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))), rows of d. */
+/* Rows per task of a row-wise kernel: enough work to outweigh a claim. */
+static inline int rows_per_task(int width) { return width >= 8192 ? 1 : 8192 / width; }
+
+typedef struct {
+    const float *x, *w;
+    long ldx, ldy;
+    int n, d, isa, rows;
+    float eps;
+    float *y;
+} norm_job;
+
+static void rmsnorm_task(const void *ctx, long task) {
+    const norm_job *j = (const norm_job *)ctx;
+    for (long t = task * j->rows; t < j->n && t < (task + 1) * j->rows; t++) {
+        const float *xr = j->x + t * j->ldx;
+        float *yr = j->y + t * j->ldy;
+        float inv = 1.0f / sqrtf(dot(xr, xr, 0, j->d, j->isa) / (float)j->d + j->eps);
+        for (int i = 0; i < j->d; i++) yr[i] = j->w[i] * (xr[i] * inv);
+    }
+}
+
 int sf_rmsnorm(const float *x, long ldx, int n, int d, const float *w, float eps, float *y, long ldy,
                int nthreads) {
-    if (n <= 0) return 0;
-    int isa = sf_cpu_isa();
-#pragma omp parallel for schedule(static) num_threads(n < nthreads ? n : nthreads)
-    for (int t = 0; t < n; t++) {
-        const float *xr = x + (long)t * ldx;
-        float *yr = y + (long)t * ldy;
-        float inv = 1.0f / sqrtf(dot(xr, xr, 0, d, isa) / (float)d + eps);
-        for (int i = 0; i < d; i++) yr[i] = w[i] * (xr[i] * inv);
-    }
+    norm_job j = {x, w, ldx, ldy, n, d, sf_cpu_isa(), rows_per_task(d), eps, y};
+    parallel(rmsnorm_task, &j, (n + j.rows - 1) / j.rows, nthreads);
     return 0;
 }
 
@@ -399,21 +551,31 @@ __attribute__((target("avx2,fma"))) static void silu_mul_row_avx2(const float *g
 
 /* out[t, i] = silu(g) * u, g = gu[t, i], u = gu[t, inter + i];
  * silu(g) = g / (1 + exp(-g)). */
-int sf_silu_mul(const float *gu, long ldg, int n, int inter, float *out, long ldo, int nthreads) {
-    if (n <= 0) return 0;
-    int isa = sf_cpu_isa();
-#pragma omp parallel for schedule(static) num_threads(n < nthreads ? n : nthreads)
-    for (int t = 0; t < n; t++) {
-        const float *g = gu + (long)t * ldg, *u = g + inter;
-        float *o = out + (long)t * ldo;
+typedef struct {
+    const float *gu;
+    long ldg, ldo;
+    int n, inter, isa, rows;
+    float *out;
+} silu_job;
+
+static void silu_task(const void *ctx, long task) {
+    const silu_job *j = (const silu_job *)ctx;
+    for (long t = task * j->rows; t < j->n && t < (task + 1) * j->rows; t++) {
+        const float *g = j->gu + t * j->ldg, *u = g + j->inter;
+        float *o = j->out + t * j->ldo;
 #if SF_X86
-        if (isa >= 1) {
-            silu_mul_row_avx2(g, u, o, inter);
+        if (j->isa >= 1) {
+            silu_mul_row_avx2(g, u, o, j->inter);
             continue;
         }
 #endif
-        for (int i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_scalar(0.0f - g[i]))) * u[i];
+        for (int i = 0; i < j->inter; i++) o[i] = (g[i] / (1.0f + exp_scalar(0.0f - g[i]))) * u[i];
     }
+}
+
+int sf_silu_mul(const float *gu, long ldg, int n, int inter, float *out, long ldo, int nthreads) {
+    silu_job j = {gu, ldg, ldo, n, inter, sf_cpu_isa(), rows_per_task(inter), out};
+    parallel(silu_task, &j, (n + j.rows - 1) / j.rows, nthreads);
     return 0;
 }
 
@@ -474,8 +636,9 @@ static inline const void *cell_ptr(const attn_args *a, const void *pool, int g, 
     __attribute__((target("avx2,fma"))) static void NAME(const attn_args *a, int g, const int64_t *table,      \
                                                          int keys, const float *e, float *o, int c0) {        \
         __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0;                                           \
-        for (int j = 0; j < keys; j++) {                                                                      \
-            int64_t cell = table[j / a->page] * a->page + j % a->page;                                        \
+        for (int j = 0, b = 0, off = 0; j < keys; j++) {                                                      \
+            int64_t cell = table[b] * a->page + off;                                                          \
+            if (++off == a->page) off = 0, b++;                                                               \
             long at = g * a->head_stride + cell * a->hd + c0;                                                 \
             __m256 ev = _mm256_set1_ps(e[j]);                                                                 \
             if (a->kv_bf16) {                                                                                 \
@@ -515,8 +678,9 @@ static void value_sum(const attn_args *a, int g, const int64_t *table, int keys,
 #endif
     (void)isa;
     for (int i = 0; i < hd; i++) o[i] = 0.0f;
-    for (int j = 0; j < keys; j++) {
-        int64_t cell = table[j / a->page] * a->page + j % a->page;
+    for (int j = 0, b = 0, off = 0; j < keys; j++) {
+        int64_t cell = table[b] * a->page + off;
+        if (++off == a->page) off = 0, b++;
         const void *vp = cell_ptr(a, a->vp, g, cell);
         float ej = e[j];
         if (a->kv_bf16) {
@@ -544,63 +708,96 @@ static float *scores_buf(long n) {
 /* One layer: q/k norm (Qwen3) and RoPE in place, this step's K/V written
  * to their cells, then each (token, kv head) attends over cells 0..pos of
  * its own sequence. Returns -1 when scratch memory cannot be had. */
+typedef struct {
+    attn_args a;
+    int isa, chunk; /* tokens per phase-2 task */
+    _Atomic int failed;
+} attn_job;
+
+#define STORE_CHUNK 16
+
+static void store_token(const attn_job *j, long t);
+
+/* Phase 1, STORE_CHUNK tokens: q/k norm and RoPE in place, K/V into their cells. */
+static void attn_store_task(const void *ctx, long task) {
+    const attn_job *j = (const attn_job *)ctx;
+    for (long t = task * STORE_CHUNK; t < j->a.n && t < (task + 1) * STORE_CHUNK; t++) store_token(j, t);
+}
+
+static void store_token(const attn_job *j, long t) {
+    const attn_args *a = &j->a;
+    int hd = a->hd;
+    float *q = a->qkv + t * a->ldqkv, *k = q + (long)a->nh * hd, *v = k + (long)a->nkv * hd;
+    for (int h = 0; h < a->nh; h++) norm_rope(a, q + (long)h * hd, a->pos[t], a->qn, j->isa);
+    for (int g = 0; g < a->nkv; g++) {
+        norm_rope(a, k + (long)g * hd, a->pos[t], a->kn, j->isa);
+        store_cell(a, a->kp, g, a->cells[t], k + (long)g * hd);
+        store_cell(a, a->vp, g, a->cells[t], v + (long)g * hd);
+    }
+}
+
+static void attend(attn_job *j, int t, int g);
+
+/* Phase 2, (a chunk of tokens, a kv head): their query heads over cells 0..pos. */
+static void attn_task(const void *ctx, long task) {
+    attn_job *j = (attn_job *)ctx;
+    long chunks = (j->a.n + j->chunk - 1) / j->chunk;
+    int g = (int)(task / chunks);
+    for (long t = (task % chunks) * j->chunk; t < j->a.n && t < (task % chunks + 1) * j->chunk; t++)
+        attend(j, (int)t, g);
+}
+
+static void attend(attn_job *j, int t, int g) {
+    const attn_args *a = &j->a;
+    int isa = j->isa, hd = a->hd, page = a->page, g_per = a->nh / a->nkv;
+    int keys = (int)a->pos[t] + 1, padded = (keys + 7) / 8 * 8;
+    const int64_t *table = a->tables + a->feed_of[t] * (long)a->width;
+    float *s = scores_buf(padded);
+    if (!s) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int h = g * g_per; h < (g + 1) * g_per; h++) {
+        const float *q = a->qkv + (long)t * a->ldqkv + (long)h * hd;
+        float m = -INFINITY;
+        for (int i = 0, b = 0, off = 0; i < keys; i++) {
+            int64_t cell = table[b] * page + off;
+            if (++off == page) off = 0, b++;
+            float si = dot(q, cell_ptr(a, a->kp, g, cell), a->kv_bf16, hd, isa) * a->scale;
+            s[i] = si;
+            if (si > m) m = si;
+        }
+        for (int i = keys; i < padded; i++) s[i] = -INFINITY;
+        exp_shift(s, padded, m, isa);
+#if SF_X86
+        float l = isa >= 1 ? sum_avx2(s, padded) : sum_scalar(s, padded);
+#else
+        float l = sum_scalar(s, padded);
+#endif
+        float *o = a->out + (long)t * a->ldo + (long)h * hd;
+        value_sum(a, g, table, keys, s, o, isa);
+        for (int i = 0; i < hd; i++) o[i] = o[i] / l;
+    }
+}
+
+/* One layer: phase 1 for every token, then phase 2 (every cell of the step
+ * is written before any is read). Returns -1 when scratch memory cannot be had. */
 int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const int64_t *pos,
                  const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, const float *cos,
                  const float *sin, const float *qn, const float *kn, float eps, void *kp, void *vp, int kv_bf16,
                  long head_stride, int page, float scale, float *out, long ldo, int nthreads) {
     if (n <= 0) return 0;
-    attn_args a = {qkv, ldqkv, n, nh, nkv, hd, pos, cells, feed_of, tables, width, cos, sin, qn, kn, eps,
-                   kp, vp, kv_bf16, head_stride, page, scale, out, ldo};
-    int isa = sf_cpu_isa();
-    int g_per = nh / nkv;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) {
-            float *q = qkv + (long)t * ldqkv, *k = q + (long)nh * hd, *v = k + (long)nkv * hd;
-            for (int h = 0; h < nh; h++) norm_rope(&a, q + (long)h * hd, pos[t], qn, isa);
-            for (int g = 0; g < nkv; g++) {
-                norm_rope(&a, k + (long)g * hd, pos[t], kn, isa);
-                store_cell(&a, kp, g, cells[t], k + (long)g * hd);
-                store_cell(&a, vp, g, cells[t], v + (long)g * hd);
-            }
-        }
-        /* (the implied barrier: every cell of this step is written before any is read) */
-#pragma omp for schedule(static, 1)
-        for (long task = 0; task < (long)n * nkv; task++) {
-            int t = (int)(task / nkv), g = (int)(task % nkv);
-            int keys = (int)pos[t] + 1, padded = (keys + 7) / 8 * 8;
-            const int64_t *table = tables + feed_of[t] * (long)width;
-            float *s = scores_buf(padded);
-            if (!s) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            for (int h = g * g_per; h < (g + 1) * g_per; h++) {
-                const float *q = qkv + (long)t * ldqkv + (long)h * hd;
-                float m = -INFINITY;
-                for (int j = 0; j < keys; j++) {
-                    int64_t cell = table[j / page] * page + j % page;
-                    float sj = dot(q, cell_ptr(&a, kp, g, cell), kv_bf16, hd, isa) * scale;
-                    s[j] = sj;
-                    if (sj > m) m = sj;
-                }
-                for (int j = keys; j < padded; j++) s[j] = -INFINITY;
-                exp_shift(s, padded, m, isa);
-#if SF_X86
-                float l = isa >= 1 ? sum_avx2(s, padded) : sum_scalar(s, padded);
-#else
-                float l = sum_scalar(s, padded);
-#endif
-                float *o = out + (long)t * ldo + (long)h * hd;
-                value_sum(&a, g, table, keys, s, o, isa);
-                for (int i = 0; i < hd; i++) o[i] = o[i] / l;
-            }
-        }
-    }
-    return failed ? -1 : 0;
+    attn_job j = {{qkv, ldqkv, n, nh, nkv, hd, pos, cells, feed_of, tables, width, cos, sin, qn, kn, eps, kp, vp,
+                   kv_bf16, head_stride, page, scale, out, ldo},
+                  sf_cpu_isa(), 1, 0};
+    double keys = 0;
+    for (int t = 0; t < n; t++) keys += (double)pos[t] + 1;
+    double work = keys / n * hd * (nh / nkv); /* per (token, kv head) */
+    j.chunk = work >= 16384 ? 1 : (int)(16384 / work);
+    if (j.chunk > n) j.chunk = n;
+    parallel(attn_store_task, &j, (n + STORE_CHUNK - 1) / STORE_CHUNK, nthreads);
+    parallel(attn_task, &j, (long)((n + j.chunk - 1) / j.chunk) * nkv, nthreads);
+    return atomic_load(&j.failed) ? -1 : 0;
 }
 
 /* ---------------------------------------------------------- embedding */
@@ -614,6 +811,33 @@ int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, floa
         } else {
             memcpy(out + (long)t * d, (const float *)table + ids[t] * (long)d, sizeof(float) * d);
         }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------ the whole stack */
+
+/* Every decoder layer of a step in one call (one Python call a step instead
+ * of seven a layer: at batch 1 those calls were a third of the step). The
+ * same kernels, in the same order, as the layer-by-layer path. x [n, hidden]
+ * is the residual stream, in and out; the rest is scratch. */
+int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
+               const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
+               float *gu, float *act, int nthreads) {
+    int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd;
+    for (int l = 0; l < m->n_layers; l++) {
+        const sf_layer *L = &m->layers[l];
+        int rc = sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads);
+        rc |= sf_linear(h, H, n, H, L->qkv, m->bf16, qkvw, L->qkv_b, qkv, qkvw, 0, nthreads);
+        rc |= sf_attention(qkv, qkvw, n, m->nh, m->nkv, m->hd, pos, cells, feed_of, tables, width, m->cos, m->sin,
+                           L->q_norm, L->k_norm, m->eps, L->k_pool, L->v_pool, m->kv_bf16, m->head_stride,
+                           m->page, m->scale, att, q, nthreads);
+        rc |= sf_linear(att, q, n, q, L->o, m->bf16, H, L->o_b, x, H, 1, nthreads);
+        rc |= sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads);
+        rc |= sf_linear(h, H, n, H, L->gate_up, m->bf16, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0, nthreads);
+        rc |= sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads);
+        rc |= sf_linear(act, m->inter, n, m->inter, L->down, m->bf16, H, L->down_b, x, H, 1, nthreads);
+        if (rc) return -1;
     }
     return 0;
 }

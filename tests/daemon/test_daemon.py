@@ -412,3 +412,18 @@ def test_a_second_daemon_of_the_same_name_in_one_process_is_refused(seg_name: st
     assert again.serve_forever() == 0
     assert not segment_files(seg_name)
     wait_for(lambda: not live_workers(seg_name), "no worker left", 10)
+
+
+def test_dtype_option_reaches_the_worker_runtime():
+    import torch
+
+    from superfluid.daemon.serve import runtime_argv
+    from superfluid.daemon.worker import add_runtime_args, build_runtime
+
+    p = argparse.ArgumentParser()
+    add_runtime_args(p)
+    args = p.parse_args(["--dtype", "bf16", "--kv-cells", "256"])
+    assert runtime_argv(args) == ["--kv-cells", "256", "--dtype", "bf16"]
+    rt = build_runtime(p.parse_args(runtime_argv(args)))
+    assert rt.model.dtype == torch.bfloat16 and rt.pool.k.dtype == torch.bfloat16
+    assert build_runtime(p.parse_args(["--kv-cells", "256"])).model.dtype == torch.float32

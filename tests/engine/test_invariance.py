@@ -5,6 +5,7 @@ Triton backend is checked in tests/kernels)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -14,12 +15,15 @@ from hypothesis import given, settings, strategies as st
 from superfluid.engine import Feed, load
 from superfluid.engine.tiny import write_tiny
 
+# make gpu-check runs these on the triton backend (SUPERFLUID_TEST_BACKEND=triton).
+BACKEND = os.environ.get("SUPERFLUID_TEST_BACKEND", "torch")
+
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
     d = tmp_path_factory.mktemp("inv")
     write_tiny(d, arch="qwen3", seed=5, tokenizer=False)
-    return load(d, "torch", kv_cells=16384)
+    return load(d, BACKEND, kv_cells=16384)
 
 
 def run(rt, prompts, *, chunk, batched, order, decode_steps=3):

@@ -8,6 +8,7 @@ to depend on M; these do, and the negative control shows it."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -16,6 +17,9 @@ import torch
 
 from superfluid.engine import Feed, load
 from superfluid.engine.tiny import write_tiny
+
+# make gpu-check runs these on the triton backend (SUPERFLUID_TEST_BACKEND=triton).
+BACKEND = os.environ.get("SUPERFLUID_TEST_BACKEND", "torch")
 
 WIDE = dict(arch="llama", tokenizer=False, hidden_size=512, intermediate_size=1536, vocab_size=32000,
             num_layers=2, num_heads=8, num_kv_heads=4)
@@ -42,7 +46,7 @@ def runtimes(wide_dir):
     def get(dtype: str, invariant: bool = True):
         key = (dtype, invariant, torch.get_num_threads())
         if key not in cache:
-            cache[key] = load(wide_dir, "torch", kv_cells=8192, dtype=DTYPES[dtype], invariant=invariant)
+            cache[key] = load(wide_dir, BACKEND, kv_cells=8192, dtype=DTYPES[dtype], invariant=invariant)
         return cache[key]
 
     yield get

@@ -4,12 +4,17 @@ supported architecture."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from superfluid.engine import Feed, load
 from superfluid.engine.tiny import write_tiny
+
+# make gpu-check runs these on the triton backend (SUPERFLUID_TEST_BACKEND=triton).
+BACKEND = os.environ.get("SUPERFLUID_TEST_BACKEND", "torch")
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +30,7 @@ def pair(request, tmp_path_factory):
         write_tiny(d, arch="llama", seed=11, rope_scaling="llama3", tokenizer=False)
     else:
         write_tiny(d, arch=arch, seed=7, tokenizer=False)
-    rt = load(d, "torch", kv_cells=2048)
+    rt = load(d, BACKEND, kv_cells=2048)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return rt, hf
 

@@ -5,6 +5,7 @@ arithmetic one lane at a time)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,3 +161,58 @@ def test_attention_qk_norm_is_rmsnorm_per_head_before_rope():
     _attend(q, k, v, [([1], 0, 3)], kp, vp, cos, sin, qn, kn)
     want = rope_torch(rmsnorm_torch(k, kn, 1e-6), cos, sin, torch.arange(3))
     assert torch.allclose(kp[0, 1, :3], want[:, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_kernels_called_from_two_threads_at_once_and_after_a_fork(threads):
+    # cffi drops the GIL: two callers may overlap (the second runs its tasks itself);
+    # a forked child has no helper threads and does every task itself.
+    import os
+    import threading
+
+    threads(2)
+    torch.manual_seed(6)
+    p = cpu.pack(torch.randn(700, 300))
+    xs = [torch.randn(40, 300) for _ in range(2)]
+    want = [cpu.linear(x, p) for x in xs]
+    bad = []
+
+    def hammer(i):
+        for _ in range(50):
+            if not torch.equal(cpu.linear(xs[i], p), want[i]):
+                bad.append(i)
+
+    ts = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        os._exit(0 if torch.equal(cpu.linear(xs[0], p), want[0]) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # q/k norms; q/k/v biases
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_stack_in_one_call_is_bitwise_the_layer_by_layer_path(tmp_path, arch, dtype, threads):
+    from superfluid.engine import Feed, load
+    from superfluid.engine.tiny import write_tiny
+
+    threads(2)
+    write_tiny(tmp_path, arch=arch, seed=3, tokenizer=False)
+
+    def rows(one_call: bool):
+        rt = load(tmp_path, "torch", kv_cells=1024, dtype=dtype)
+        assert rt.model.stack is not None
+        if not one_call:
+            rt.model.stack = None
+        a, b = rt.seq_create(), rt.seq_create()
+        out = rt.step_rows([Feed(a, list(range(1, 40))), Feed(b, [7, 8, 9])])
+        out += rt.step([Feed(a, [3], True), Feed(b, [4], True)])
+        return out
+
+    got, want = rows(True), rows(False)
+    assert len(got) == len(want) == 4
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))

