@@ -161,8 +161,11 @@ class Model:
         x = cpu.embed(self.embed, tokens)
         if self.stack is not None:
             n_layers = len(self.layers)
-            self.stack.forward(x, lay, [heads_major(k_cache[i]) for i in range(n_layers)],
-                               [heads_major(v_cache[i]) for i in range(n_layers)])
+            ks = [heads_major(k_cache[i]) for i in range(n_layers)]
+            vs = [heads_major(v_cache[i]) for i in range(n_layers)]
+            if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
+                raise ValueError("the CPU kernels need a heads-major KV pool")
+            self.stack.forward(x, lay, ks, vs)
         else:
             self._layers_cpu(x, lay, k_cache, v_cache)
         if rows is not None:

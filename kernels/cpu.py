@@ -86,6 +86,21 @@ def _profiled(fn):
     return wrapper
 
 
+def _rows(t: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """t as float32 rows of `width` with unit stride (the C side's only layout)."""
+    if t.dim() != 2 or t.shape[1] != width:
+        raise ValueError(f"{what}: expected rows of {width}, got shape {tuple(t.shape)}")
+    if t.dtype != torch.float32 or t.stride(-1) != 1 or t.device.type != "cpu":
+        t = t.to("cpu", torch.float32).contiguous()
+    return t
+
+
+def _vec(t: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
+    if t is not None and (t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous()):
+        raise ValueError(f"{what}: expected a contiguous float32 vector of {n}")
+    return t
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{what} failed (rc {rc}): out of memory or bad arguments")
@@ -120,11 +135,13 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
 def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
     """x [n, in] float32 -> [n, out] float32 (y = x W.T + b). With residual,
     `out` holds x' and gets x' + (x W.T + b), rounded as torch would."""
+    x = _rows(x, p.inp, "linear: x")
     n = x.shape[0]
-    if x.dtype != torch.float32 or x.stride(-1) != 1:
-        x = x.float().contiguous()
     if out is None:
         out = x.new_empty((n, p.out))
+    elif (out.dtype != torch.float32 or out.dim() != 2 or out.shape != (n, p.out) or out.stride(-1) != 1
+          or out.device.type != "cpu"):
+        raise ValueError(f"linear: out must be float32 [{n}, {p.out}] with unit stride")
     _check(lib.sf_linear(_f(x), x.stride(0), n, p.inp, _v(p.w), int(p.w.dtype == torch.bfloat16), p.out,
                          _f(p.bias), _f(out), out.stride(0), int(residual), _threads()), "sf_linear")
     return out
@@ -133,9 +150,8 @@ def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual
 @_profiled
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x.reshape(-1, d), d, "rmsnorm: x")
+    _vec(w, d, "rmsnorm: w")
     y = torch.empty(rows.shape, dtype=torch.float32)
     _check(lib.sf_rmsnorm(_f(rows), rows.stride(0), rows.shape[0], d, _f(w), eps, _f(y), d, _threads()),
            "sf_rmsnorm")
@@ -145,8 +161,10 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @_profiled
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gu [n, 2 * inter] (gate first) -> [n, inter]."""
-    n, two = gu.shape
-    inter = two // 2
+    if gu.dim() != 2 or gu.shape[1] % 2:
+        raise ValueError(f"silu_mul: expected [n, 2 * inter], got shape {tuple(gu.shape)}")
+    gu = _rows(gu, gu.shape[1], "silu_mul: gu")
+    n, inter = gu.shape[0], gu.shape[1] // 2
     out = gu.new_empty((n, inter))
     _check(lib.sf_silu_mul(_f(gu), gu.stride(0), n, inter, _f(out), inter, _threads()), "sf_silu_mul")
     return out
@@ -155,6 +173,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 @_profiled
 def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     ids = ids.to(torch.int64).contiguous()
+    if table.dtype not in (torch.float32, torch.bfloat16) or table.dim() != 2 or not table.is_contiguous():
+        raise ValueError("embed: the table must be a contiguous float32/bfloat16 matrix")
     n, d = ids.shape[0], table.shape[1]
     out = torch.empty((n, d), dtype=torch.float32)
     if n and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
@@ -185,6 +205,25 @@ def step_layout(feeds: list[tuple[list[int], int, int]], page: int) -> StepLayou
 
 
 @_profiled
+def _check_pools(layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor, n_kv: int, head_dim: int,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """What the C side trusts: pools of one dtype and shape [kv, blocks,
+    page, head_dim], contiguous; every position in the rope tables, every
+    cell and block id in the pool."""
+    shape = k_pool.shape
+    if (k_pool.dtype not in (torch.float32, torch.bfloat16) or v_pool.dtype != k_pool.dtype
+            or v_pool.shape != shape or len(shape) != 4 or shape[0] != n_kv or shape[3] != head_dim
+            or shape[2] != layout.page or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+        raise ValueError("attention: K and V pools must be contiguous float32/bfloat16 [kv, blocks, page, head_dim]")
+    for t in (cos, sin):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim // 2:
+            raise ValueError(f"attention: rope tables must be contiguous float32 [positions, {head_dim // 2}]")
+    cells = shape[1] * shape[2]
+    if layout.positions.numel() and (int(layout.positions.max()) >= cos.shape[0]
+                                     or int(layout.cells.max()) >= cells or int(layout.tables.max()) >= shape[1]):
+        raise ValueError("attention: a position past the rope tables or a cell outside the pool")
+
+
 def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor, *, n_heads: int,
               n_kv: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
               k_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
@@ -192,8 +231,12 @@ def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_poo
     the layer's pool, heads-major [kv, blocks, page, head_dim]) -> the
     attention output [n, heads * head_dim]."""
     n = qkv.shape[0]
-    if k_pool.dtype not in (torch.float32, torch.bfloat16) or not k_pool.is_contiguous():
-        raise ValueError("attention: the pool must be a contiguous float32/bfloat16 heads-major layer")
+    width = (n_heads + 2 * n_kv) * head_dim
+    if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(-1) != 1:
+        raise ValueError(f"attention: qkv must be float32 rows of {width} with unit stride")
+    _check_pools(layout, k_pool, v_pool, n_kv, head_dim, cos, sin)
+    for t in (q_norm, k_norm):
+        _vec(t, head_dim, "attention: q/k norm")
     out = qkv.new_empty((n, n_heads * head_dim))
     head_stride = k_pool.stride(0)
     t = layout.tables
@@ -212,7 +255,8 @@ class Stack:
 
     def __init__(self, layers, *, hidden: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float,
                  scale: float, cos: torch.Tensor, sin: torch.Tensor):
-        self._keep = [cos, sin]
+        self.cos, self.sin = cos, sin
+        self._keep: list = []
         self.shape = (hidden, n_heads, n_kv, head_dim, inter)
         self.layers = ffi.new("sf_layer[]", len(layers))
         bf16 = {L.qkv.w.dtype == torch.bfloat16 for L in layers}
@@ -237,9 +281,11 @@ class Stack:
         key = (k_pools[0].data_ptr(), v_pools[0].data_ptr())
         if self._pool == key:
             return
+        if len(k_pools) != len(self.layers) or len(v_pools) != len(self.layers):
+            raise ValueError(f"Stack: {len(self.layers)} layers, {len(k_pools)}/{len(v_pools)} pools")
         for c, k, v in zip(self.layers, k_pools, v_pools):
-            if not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("Stack: each layer's pool must be contiguous heads-major")
+            if not (k.is_contiguous() and v.is_contiguous()) or k.shape != k_pools[0].shape or v.shape != k.shape:
+                raise ValueError("Stack: each layer's pool must be contiguous heads-major, all of one shape")
             c.k_pool, c.v_pool = _v(k), _v(v)
         m = self.model
         m.kv_bf16, m.head_stride, m.page = int(k_pools[0].dtype == torch.bfloat16), k_pools[0].stride(0), \
@@ -250,8 +296,11 @@ class Stack:
     @_profiled
     def forward(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools) -> torch.Tensor:
         """x [n, hidden] float32 (the embeddings) through every layer, in place."""
-        self._attach(k_pools, v_pools)
         hidden, nh, nkv, hd, inter = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
+            raise ValueError(f"Stack.forward: x must be contiguous float32 [n, {hidden}]")
+        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
+        self._attach(k_pools, v_pools)
         n = x.shape[0]
         h = x.new_empty((n, max(hidden, nh * hd)))
         qkv = x.new_empty((n, (nh + 2 * nkv) * hd))

@@ -87,6 +87,7 @@ static struct {
     _Atomic long done;
     task_fn fn;
     const void *ctx;
+    unsigned csr; /* the caller's MXCSR (rounding, FTZ/DAZ): helpers run under it too */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER, .job = PTHREAD_MUTEX_INITIALIZER};
 
 #define W_GEN(w) ((uint32_t)((w) >> 48))
@@ -109,6 +110,9 @@ static void run_tasks(uint32_t gen, int helper) {
         if (!atomic_compare_exchange_weak_explicit(&P.word, &w, w + 1, memory_order_acq_rel, memory_order_relaxed))
             continue;
         /* task W_NEXT(w) of a job that cannot end before it is done: fn/ctx are that job's */
+#if SF_X86
+        if (helper && _mm_getcsr() != P.csr) _mm_setcsr(P.csr);
+#endif
         P.fn(P.ctx, W_NEXT(w));
         atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
     }
@@ -136,12 +140,24 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
+/* A forked child has none of the helpers: it makes new ones when it needs them. */
+static void pool_atfork_child(void) {
+    pthread_mutex_init(&P.lock, NULL);
+    pthread_mutex_init(&P.job, NULL);
+    P.helpers = 0;
+    atomic_store(&P.sleepers, 0);
+}
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_atfork_child); }
+
 /* Run fn(ctx, 0..ntasks-1) on up to nthreads threads (the caller is one).
  * A second caller while a job runs (another Python thread: cffi drops the
- * GIL) runs its tasks itself. After a fork the helpers are gone and the
- * caller does every task: still correct. */
+ * GIL) runs its tasks itself. A helper parked after claiming a task
+ * still holds its job up until it finishes that task: tasks are small. */
 static void parallel(task_fn fn, const void *ctx, long ntasks, int nthreads) {
     if (ntasks <= 0) return;
+    pthread_once(&pool_once, pool_init);
     if (nthreads > MAX_HELPERS + 1) nthreads = MAX_HELPERS + 1;
     if (nthreads <= 1 || ntasks == 1 || ntasks > MAX_TASKS || pthread_mutex_trylock(&P.job) != 0) {
         for (long i = 0; i < ntasks; i++) fn(ctx, i);
@@ -164,11 +180,15 @@ static void parallel(task_fn fn, const void *ctx, long ntasks, int nthreads) {
     uint32_t gen = atomic_load_explicit(&P.gen, memory_order_relaxed) + 1;
     P.fn = fn;
     P.ctx = ctx;
+#if SF_X86
+    P.csr = _mm_getcsr();
+#endif
     atomic_store_explicit(&P.done, 0, memory_order_relaxed);
     uint64_t w = ((uint64_t)(gen & 0xffff) << 48) | ((uint64_t)(nthreads - 1) << 42) | ((uint64_t)ntasks << 21);
     atomic_store_explicit(&P.word, w, memory_order_release);
-    atomic_store_explicit(&P.gen, gen, memory_order_release);
-    if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, nthreads - 1, NULL, NULL, 0);
+    atomic_store_explicit(&P.gen, gen, memory_order_seq_cst); /* ordered before the sleepers load */
+    /* all: a helper numbered past this job's limit must not take a wanted one's wake-up */
+    if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
     run_tasks(gen, 0);
     int spins = 0;
     while (atomic_load_explicit(&P.done, memory_order_acquire) < ntasks) {
@@ -375,18 +395,18 @@ static const tile_fn TILES[2][TILE_T + 1] = {{0, tf1, tf2, tf3, tf4, tf5, tf6}, 
 
 typedef struct {
     gemm_args a;
-    int panels, chunks, isa;
+    int panels, chunks, per, isa; /* per: panels a task */
 } linear_job;
 
-/* Task: a block of BLOCK_T tokens x PANELS_PER_TASK panels. */
+/* Task: a block of BLOCK_T tokens x `per` panels. */
 static void linear_task(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
     const gemm_args *a = &j->a;
     float acc[BLOCK_T * PANEL];
     float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
-    int b0 = (int)(task / j->chunks) * BLOCK_T, p0 = (int)(task % j->chunks) * PANELS_PER_TASK;
+    int b0 = (int)(task / j->chunks) * BLOCK_T, p0 = (int)(task % j->chunks) * j->per;
     int bn = a->n - b0 < BLOCK_T ? a->n - b0 : BLOCK_T;
-    int p1 = p0 + PANELS_PER_TASK < j->panels ? p0 + PANELS_PER_TASK : j->panels;
+    int p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
     int K = a->K, bf16 = a->bf16;
     for (int p = p0; p < p1; p++) {
         memset(acc, 0, sizeof(float) * bn * PANEL);
@@ -420,9 +440,13 @@ int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, i
               float *y, long ldy, int resid, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
     if (K <= 0 || nthreads < 1) return -1;
-    linear_job j = {{x, ldx, n, K, out, w, bf16, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, sf_cpu_isa()};
-    j.chunks = (j.panels + PANELS_PER_TASK - 1) / PANELS_PER_TASK;
-    parallel(linear_task, &j, (long)((n + BLOCK_T - 1) / BLOCK_T) * j.chunks, nthreads);
+    linear_job j = {{x, ldx, n, K, out, w, bf16, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa()};
+    long blocks = (n + BLOCK_T - 1) / BLOCK_T;
+    j.per = PANELS_PER_TASK;
+    while (blocks * ((j.panels + j.per - 1) / j.per) > MAX_TASKS) j.per *= 2; /* stay within the task field */
+    j.chunks = (j.panels + j.per - 1) / j.per;
+    parallel(linear_task, &j, blocks * j.chunks, nthreads);
     return 0;
 }
 
@@ -501,7 +525,7 @@ static void exp_shift(float *x, int n, float m, int isa) {
 
 /* y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))), rows of d. */
 /* Rows per task of a row-wise kernel: enough work to outweigh a claim. */
-static inline int rows_per_task(int width) { return width >= 8192 ? 1 : 8192 / width; }
+static inline int rows_per_task(int width) { return width >= 8192 ? 1 : 8192 / (width > 0 ? width : 1); }
 
 typedef struct {
     const float *x, *w;

@@ -216,3 +216,25 @@ def test_the_stack_in_one_call_is_bitwise_the_layer_by_layer_path(tmp_path, arch
     got, want = rows(True), rows(False)
     assert len(got) == len(want) == 4
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_bad_shapes_and_layouts_are_refused_before_the_c_side():
+    p = cpu.pack(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="rows of 16"):
+        cpu.linear(torch.randn(3, 17), p)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.linear(torch.randn(3, 16), p, out=torch.empty(3, 31))
+    with pytest.raises(ValueError, match="w"):
+        cpu.rmsnorm(torch.randn(2, 16), torch.rand(15), 1e-6)
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        cpu.silu_mul(torch.randn(2, 7))
+    page, d = 4, 8
+    kp, vp = torch.zeros(1, 3, page, d), torch.zeros(1, 3, page, d)
+    q, k, v = torch.randn(1, 1, d), torch.randn(1, 1, d), torch.randn(1, 1, d)
+    cos, sin = torch.ones(4, d // 2), torch.zeros(4, d // 2)
+    with pytest.raises(ValueError, match="past the rope tables"):
+        _attend(q, k, v, [([1, 2], 4, 1)], kp, vp, cos, sin)  # position 4 of a 4-row table
+    with pytest.raises(ValueError, match="outside the pool"):
+        _attend(q, k, v, [([3], 0, 1)], kp, vp, cos, sin)  # block 3 of 3
+    with pytest.raises(ValueError, match="pools"):
+        _attend(q, k, v, [([1], 0, 1)], kp, vp.to(torch.bfloat16), cos, sin)
