@@ -1,6 +1,6 @@
 """The ops a forward pass is made of, by backend.
 
-`torch` on a CPU is the C kernels of sf_cpu.c (CpuBackend: packed weights,
+`torch` on a CPU is the C kernels of sf_*.c (CpuBackend: packed weights,
 a fused attention over the paged pool; the serving path); elsewhere, or with
 SUPERFLUID_CPU_KERNELS=0, pure torch (the reference ops). `triton` swaps in
 the Triton kernels of this folder for the elementwise ops, the KV write and

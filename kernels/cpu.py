@@ -1,4 +1,4 @@
-"""The torch backend's CPU kernels (sf_cpu.c through cffi), on torch tensors.
+"""The torch backend's CPU kernels (kernels/sf_*.c through cffi), on torch tensors.
 
 Each is batch invariant by construction (sf_cpu.c's header says how): a
 row's bits never depend on the rows beside it, the thread count or the

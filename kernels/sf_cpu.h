@@ -1,5 +1,6 @@
-/* The records sf_forward takes (kernels/sf_cpu.c); the cffi build reads
- * this file for its cdef, so keep it plain declarations. */
+/* The CPU kernels' interface (kernels/sf_*.c): the records sf_forward
+ * takes and every exported function. The cffi build reads this file as
+ * its cdef, so keep it plain declarations (no macros but the guard). */
 #ifndef SF_CPU_H
 #define SF_CPU_H
 #include <stdint.h>
@@ -21,5 +22,21 @@ typedef struct {
     const float *cos, *sin;
     const sf_layer *layers;
 } sf_model;
+
+int sf_cpu_isa(void);
+void sf_cpu_force_isa(int isa);
+int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
+              float *y, long ldy, int resid, int nthreads);
+int sf_rmsnorm(const float *x, long ldx, int n, int d, const float *w, float eps, float *y, long ldy,
+               int nthreads);
+int sf_silu_mul(const float *gu, long ldg, int n, int inter, float *out, long ldo, int nthreads);
+int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const int64_t *pos,
+                 const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, const float *cos,
+                 const float *sin, const float *qn, const float *kn, float eps, void *kp, void *vp, int kv_bf16,
+                 long head_stride, int page, float scale, float *out, long ldo, int nthreads);
+int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, float *out);
+int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
+               const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
+               float *gu, float *act, int nthreads);
 
 #endif

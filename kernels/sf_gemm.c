@@ -1,0 +1,180 @@
+/* sf_linear: y = x W.T (+ b) (+ y), W packed in 16-output panels. */
+#include "sf_cpu.h"
+#include "sf_internal.h"
+
+#include <stdlib.h>
+
+#define PANEL 16 /* output features per packed panel */
+#define TILE_T 6 /* tokens per micro tile */
+#define BLOCK_T 96 /* tokens per cache block (a multiple of TILE_T) */
+#define BLOCK_K 256 /* reduction steps per cache block */
+
+/* ---------------------------------------------------------------- GEMM */
+
+/* y[t, o] = (sum_k x[t, k] * W[o, k]) (+ bias[o]) (+ y[t, o] when resid).
+ * W is packed [ceil(out / PANEL)][K][PANEL] (rows past out are zeros). */
+typedef struct {
+    const float *x;
+    long ldx;
+    int n, K, out;
+    const void *w;
+    int bf16;
+    const float *bias;
+    float *y;
+    long ldy;
+    int resid;
+} gemm_args;
+
+static void epilogue(const gemm_args *a, const float *acc, int t0, int nt, int o0) {
+    int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
+    for (int t = 0; t < nt; t++) {
+        float *y = a->y + (long)(t0 + t) * a->ldy + o0;
+        for (int i = 0; i < m; i++) {
+            float v = acc[t * PANEL + i];
+            if (a->bias) v = v + a->bias[o0 + i];
+            if (a->resid) v = y[i] + v;
+            y[i] = v;
+        }
+    }
+}
+
+static void tile_scalar(const void *w, int bf16, const float *x, long ldx, int nt, int kn, float *acc) {
+    for (int t = 0; t < nt; t++) {
+        const float *xr = x + t * ldx;
+        float *c = acc + t * PANEL;
+        for (int k = 0; k < kn; k++) {
+            float xv = xr[k];
+            if (bf16) {
+                const uint16_t *wk = (const uint16_t *)w + (long)k * PANEL;
+                for (int i = 0; i < PANEL; i++) c[i] = fmaf(bf16_to_f32(wk[i]), xv, c[i]);
+            } else {
+                const float *wk = (const float *)w + (long)k * PANEL;
+                for (int i = 0; i < PANEL; i++) c[i] = fmaf(wk[i], xv, c[i]);
+            }
+        }
+    }
+}
+
+#if SF_X86
+__attribute__((target("avx2,fma"))) static inline void load_w_f32(const void *w, __m256 *w0, __m256 *w1) {
+    *w0 = _mm256_loadu_ps((const float *)w);
+    *w1 = _mm256_loadu_ps((const float *)w + 8);
+}
+
+__attribute__((target("avx2,fma"))) static inline void load_w_bf16(const void *w, __m256 *w0, __m256 *w1) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)w);
+    *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+    *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+
+/* T tokens x PANEL outputs over k in [k0, k1): acc holds the chains. One
+ * function per (T, weight type), with named accumulators (GCC spills an
+ * array of vectors to the stack every iteration). */
+#define TROW_LOAD(i)                                                                                          \
+    __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = c##i##0;                                                 \
+    const float *x##i = x;                                                                                    \
+    if (T > i) {                                                                                              \
+        c##i##0 = _mm256_loadu_ps(acc + i * PANEL);                                                           \
+        c##i##1 = _mm256_loadu_ps(acc + i * PANEL + 8);                                                       \
+        x##i = x + i * ldx;                                                                                   \
+    }
+#define TROW_FMA(i)                                                                                           \
+    if (T > i) {                                                                                              \
+        __m256 xb = _mm256_broadcast_ss(x##i + k);                                                            \
+        c##i##0 = _mm256_fmadd_ps(w0, xb, c##i##0);                                                           \
+        c##i##1 = _mm256_fmadd_ps(w1, xb, c##i##1);                                                           \
+    }
+#define TROW_STORE(i)                                                                                         \
+    if (T > i) {                                                                                              \
+        _mm256_storeu_ps(acc + i * PANEL, c##i##0);                                                           \
+        _mm256_storeu_ps(acc + i * PANEL + 8, c##i##1);                                                       \
+    }
+#define DEF_TILE(TN, NAME, LOADW, WT)                                                                          \
+    __attribute__((target("avx2,fma"))) static void NAME(const void *wv, const float *x, long ldx, int kn,   \
+                                                         float *acc) {                                       \
+        enum { T = TN };                                                                                      \
+        TROW_LOAD(0) TROW_LOAD(1) TROW_LOAD(2) TROW_LOAD(3) TROW_LOAD(4) TROW_LOAD(5)                         \
+        const WT *w = (const WT *)wv;                                                                         \
+        for (int k = 0; k < kn; k++, w += PANEL) {                                                            \
+            __m256 w0, w1;                                                                                    \
+            if (T == 1) _mm_prefetch((const char *)(w + 128 * PANEL), _MM_HINT_T0); /* a lone token: memory-bound */ \
+            LOADW(w, &w0, &w1);                                                                               \
+            TROW_FMA(0) TROW_FMA(1) TROW_FMA(2) TROW_FMA(3) TROW_FMA(4) TROW_FMA(5)                           \
+        }                                                                                                     \
+        TROW_STORE(0) TROW_STORE(1) TROW_STORE(2) TROW_STORE(3) TROW_STORE(4) TROW_STORE(5)                   \
+    }
+DEF_TILE(1, tf1, load_w_f32, float)
+DEF_TILE(2, tf2, load_w_f32, float)
+DEF_TILE(3, tf3, load_w_f32, float)
+DEF_TILE(4, tf4, load_w_f32, float)
+DEF_TILE(5, tf5, load_w_f32, float)
+DEF_TILE(6, tf6, load_w_f32, float)
+DEF_TILE(1, tb1, load_w_bf16, uint16_t)
+DEF_TILE(2, tb2, load_w_bf16, uint16_t)
+DEF_TILE(3, tb3, load_w_bf16, uint16_t)
+DEF_TILE(4, tb4, load_w_bf16, uint16_t)
+DEF_TILE(5, tb5, load_w_bf16, uint16_t)
+DEF_TILE(6, tb6, load_w_bf16, uint16_t)
+
+typedef void (*tile_fn)(const void *, const float *, long, int, float *);
+static const tile_fn TILES[2][TILE_T + 1] = {{0, tf1, tf2, tf3, tf4, tf5, tf6}, {0, tb1, tb2, tb3, tb4, tb5, tb6}};
+#endif
+
+#define PANELS_PER_TASK 4
+
+typedef struct {
+    gemm_args a;
+    int panels, chunks, per, isa; /* per: panels a task */
+} linear_job;
+
+/* Task: a block of BLOCK_T tokens x `per` panels. */
+static void linear_task(const void *ctx, long task) {
+    const linear_job *j = (const linear_job *)ctx;
+    const gemm_args *a = &j->a;
+    float acc[BLOCK_T * PANEL];
+    float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
+    int b0 = (int)(task / j->chunks) * BLOCK_T, p0 = (int)(task % j->chunks) * j->per;
+    int bn = a->n - b0 < BLOCK_T ? a->n - b0 : BLOCK_T;
+    int p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
+    int K = a->K, bf16 = a->bf16;
+    for (int p = p0; p < p1; p++) {
+        memset(acc, 0, sizeof(float) * bn * PANEL);
+        for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
+            int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
+            long at = ((long)p * K + k0) * PANEL;
+            const void *ws = bf16 ? (const void *)((const uint16_t *)a->w + at) : (const void *)((const float *)a->w + at);
+            int wide = bf16 && bn > TILE_T;
+            if (wide) {
+                const uint16_t *src = (const uint16_t *)ws;
+                for (int i = 0; i < kn * PANEL; i++) wf[i] = bf16_to_f32(src[i]);
+                ws = wf;
+            }
+            for (int t0 = 0; t0 < bn; t0 += TILE_T) {
+                int tn = bn - t0 < TILE_T ? bn - t0 : TILE_T;
+                const float *xs = a->x + (long)(b0 + t0) * a->ldx + k0;
+#if SF_X86
+                if (j->isa >= 1) {
+                    TILES[bf16 && !wide][tn](ws, xs, a->ldx, kn, acc + t0 * PANEL);
+                    continue;
+                }
+#endif
+                tile_scalar(ws, bf16 && !wide, xs, a->ldx, tn, kn, acc + t0 * PANEL);
+            }
+        }
+        epilogue(a, acc, b0, bn, p * PANEL);
+    }
+}
+
+int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
+              float *y, long ldy, int resid, int nthreads) {
+    if (n <= 0 || out <= 0) return 0;
+    if (K <= 0 || nthreads < 1) return -1;
+    linear_job j = {{x, ldx, n, K, out, w, bf16, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa()};
+    long blocks = (n + BLOCK_T - 1) / BLOCK_T;
+    j.per = PANELS_PER_TASK;
+    while (blocks * ((j.panels + j.per - 1) / j.per) > MAX_TASKS) j.per *= 2; /* stay within the task field */
+    j.chunks = (j.panels + j.per - 1) / j.per;
+    sf_parallel(linear_task, &j, blocks * j.chunks, nthreads);
+    return 0;
+}

@@ -1,0 +1,116 @@
+/* What the CPU kernels' files share: the ISA switch, the task pool's
+ * interface, and the arithmetic every path must do the same way (bf16
+ * conversion, exp, the lane tree). Private to kernels/sf_*.c. */
+#ifndef SF_INTERNAL_H
+#define SF_INTERNAL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SF_X86 1
+#else
+#define SF_X86 0
+#endif
+
+
+int sf_cpu_isa(void);
+
+/* A job: fn(ctx, task) for task 0..ntasks-1, on up to nthreads threads (sf_pool.c). */
+typedef void (*task_fn)(const void *ctx, long task);
+#define MAX_TASKS 0x1fffff
+void sf_parallel(task_fn fn, const void *ctx, long ntasks, int nthreads);
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ------------------------------------------------------------------ exp */
+
+#define EXP_HI 88.0f
+#define EXP_LO -87.3f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define EP0 1.9875691500E-4f
+#define EP1 1.3981999507E-3f
+#define EP2 8.3334519073E-3f
+#define EP3 4.1665795894E-2f
+#define EP4 1.6666665459E-1f
+#define EP5 5.0000001201E-1f
+
+static inline float exp_scalar(float x) {
+    if (!(x >= EXP_LO)) return 0.0f; /* also -inf */
+    if (x > EXP_HI) x = EXP_HI;
+    float n = nearbyintf(x * LOG2E);
+    float r = fmaf(n, -LN2_HI, x);
+    r = fmaf(n, -LN2_LO, r);
+    float p = EP0;
+    p = fmaf(p, r, EP1);
+    p = fmaf(p, r, EP2);
+    p = fmaf(p, r, EP3);
+    p = fmaf(p, r, EP4);
+    p = fmaf(p, r, EP5);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t b = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &b, 4);
+    return y * s;
+}
+
+#if SF_X86
+__attribute__((target("avx2,fma"))) static inline __m256 exp_avx2(__m256 x) {
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
+    x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EP0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EP1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EP2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EP3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EP4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EP5));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i b = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(b)), keep);
+}
+#endif
+
+/* ------------------------------------------------------- lane reductions */
+
+/* Lanes l, l+4 then l, l+2 then 0, 1: the tree both paths use. */
+static inline float tree8(const float a[8]) {
+    float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+#if SF_X86
+__attribute__((target("avx2,fma"))) static inline float tree8_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l + (l+4) */
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                  /* l + (l+2) */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+#if SF_X86
+__attribute__((target("avx2,fma"))) static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#endif

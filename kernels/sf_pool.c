@@ -1,0 +1,165 @@
+/* The ISA switch and the task pool of the CPU kernels. */
+#include "sf_cpu.h"
+#include "sf_internal.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int g_isa = -1; /* 0 scalar, 1 avx2+fma */
+static int g_force = -1;
+
+int sf_cpu_isa(void) {
+    if (g_isa < 0) {
+#if SF_X86
+        __builtin_cpu_init();
+        g_isa = (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+#else
+        g_isa = 0;
+#endif
+    }
+    return g_force >= 0 && g_force < g_isa ? g_force : g_isa;
+}
+
+/* Run on a lower ISA (0: scalar), for tests that the paths agree; -1 resets. */
+void sf_cpu_force_isa(int isa) { g_force = isa; }
+
+/* ------------------------------------------------------------ the pool
+ *
+ * Work is a job of numbered tasks that threads claim one at a time; a job
+ * is over when its tasks are done, not when every thread has checked in. On
+ * a shared box a helper thread that is not scheduled just misses the job
+ * (an OpenMP barrier waits a timeslice for it: ~4 ms a region, seen here).
+ * Which thread runs a task never changes a bit of its result.
+ *
+ * One 64-bit word says what can be claimed: job generation (16 bits), the
+ * helpers let in (6), tasks (21) and the next task (21). A claim is a CAS on
+ * it, so a helper that wakes late cannot take a task of a later job. */
+#define MAX_HELPERS 63
+#define SPIN_WAIT 20000
+
+static struct {
+    pthread_mutex_t lock, job; /* helper creation; the one job in flight */
+    int helpers;
+    _Atomic uint64_t word;
+    _Atomic uint32_t gen; /* the futex helpers sleep on */
+    _Atomic int sleepers;
+    _Atomic long done;
+    task_fn fn;
+    const void *ctx;
+    unsigned csr; /* the caller's MXCSR (rounding, FTZ/DAZ): helpers run under it too */
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER, .job = PTHREAD_MUTEX_INITIALIZER};
+
+#define W_GEN(w) ((uint32_t)((w) >> 48))
+#define W_WANT(w) ((int)(((w) >> 42) & 63))
+#define W_TASKS(w) ((long)(((w) >> 21) & 0x1fffff))
+#define W_NEXT(w) ((long)((w) & 0x1fffff))
+
+static inline void cpu_relax(void) {
+#if SF_X86
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and run tasks of job `gen` until none is left. */
+static void run_tasks(uint32_t gen, int helper) {
+    for (;;) {
+        uint64_t w = atomic_load_explicit(&P.word, memory_order_acquire);
+        if ((W_GEN(w) != (gen & 0xffff)) || W_NEXT(w) >= W_TASKS(w) || helper > W_WANT(w)) return;
+        if (!atomic_compare_exchange_weak_explicit(&P.word, &w, w + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue;
+        /* task W_NEXT(w) of a job that cannot end before it is done: fn/ctx are that job's */
+#if SF_X86
+        if (helper && _mm_getcsr() != P.csr) _mm_setcsr(P.csr);
+#endif
+        P.fn(P.ctx, W_NEXT(w));
+        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+    }
+}
+
+static void *helper_main(void *arg) {
+    int me = (int)(long)arg; /* 1-based */
+    uint32_t seen = atomic_load_explicit(&P.gen, memory_order_acquire);
+    for (;;) {
+        uint32_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+            if (++spins < SPIN_WAIT) {
+                cpu_relax();
+                continue;
+            }
+            atomic_fetch_add(&P.sleepers, 1);
+            syscall(SYS_futex, &P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&P.sleepers, 1);
+            spins = 0;
+        }
+        seen = g;
+        run_tasks(g, me);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the helpers: it makes new ones when it needs them. */
+static void pool_atfork_child(void) {
+    pthread_mutex_init(&P.lock, NULL);
+    pthread_mutex_init(&P.job, NULL);
+    P.helpers = 0;
+    atomic_store(&P.sleepers, 0);
+}
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_atfork_child); }
+
+/* Run fn(ctx, 0..ntasks-1) on up to nthreads threads (the caller is one).
+ * A second caller while a job runs (another Python thread: cffi drops the
+ * GIL) runs its tasks itself. A helper parked after claiming a task
+ * still holds its job up until it finishes that task: tasks are small. */
+void sf_parallel(task_fn fn, const void *ctx, long ntasks, int nthreads) {
+    if (ntasks <= 0) return;
+    pthread_once(&pool_once, pool_init);
+    if (nthreads > MAX_HELPERS + 1) nthreads = MAX_HELPERS + 1;
+    if (nthreads <= 1 || ntasks == 1 || ntasks > MAX_TASKS || pthread_mutex_trylock(&P.job) != 0) {
+        for (long i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
+    if (P.helpers < nthreads - 1) {
+        pthread_mutex_lock(&P.lock);
+        while (P.helpers < nthreads - 1) {
+            pthread_t th;
+            pthread_attr_t at;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            int rc = pthread_create(&th, &at, helper_main, (void *)(long)(P.helpers + 1));
+            pthread_attr_destroy(&at);
+            if (rc) break; /* fewer helpers: still correct */
+            P.helpers++;
+        }
+        pthread_mutex_unlock(&P.lock);
+    }
+    uint32_t gen = atomic_load_explicit(&P.gen, memory_order_relaxed) + 1;
+    P.fn = fn;
+    P.ctx = ctx;
+#if SF_X86
+    P.csr = _mm_getcsr();
+#endif
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    uint64_t w = ((uint64_t)(gen & 0xffff) << 48) | ((uint64_t)(nthreads - 1) << 42) | ((uint64_t)ntasks << 21);
+    atomic_store_explicit(&P.word, w, memory_order_release);
+    atomic_store_explicit(&P.gen, gen, memory_order_seq_cst); /* ordered before the sleepers load */
+    /* all: a helper numbered past this job's limit must not take a wanted one's wake-up */
+    if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    run_tasks(gen, 0);
+    int spins = 0;
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < ntasks) {
+        if (++spins > SPIN_WAIT) {
+            sched_yield();
+            spins = 0;
+        } else {
+            cpu_relax();
+        }
+    }
+    pthread_mutex_unlock(&P.job);
+}
