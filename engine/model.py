@@ -6,7 +6,7 @@ The ops come from a backend (kernels/backend.py): torch, or Triton kernels
 for the elementwise and attention parts. Projections are fused (q/k/v into
 one matrix, gate/up into another) so a layer is four GEMMs. On the CPU
 backend the weights are packed once here, at load (no first-step packing),
-and a layer is seven calls into the C kernels (_forward_cpu).
+and every layer of a step runs in one call into C (_forward_cpu).
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ class TransformerRuntime(Runtime):
             for s, f in zip(states, feeds):
                 self.pool.grow(s, len(f.tokens))
             layout = [(s.blocks, s.length, len(f.tokens)) for s, f in zip(states, feeds)]
-            batch = self.model.backend.layout(layout, self.pool.page, self.cfg.num_heads // self.cfg.num_kv_heads, dev)
+            q_per_kv = self.cfg.num_heads // self.cfg.num_kv_heads
+            batch = self.model.backend.layout(layout, self.pool.page, q_per_kv, dev)
             mirrored = self._mirrors.attach(self.pool, batch, feeds, states) if self._mirrors else []
             tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=dev)
             row_index = None
