@@ -8,7 +8,7 @@ The algorithm. Inputs: `row` (float32, length V), temperature, top_k, top_p,
 min_p, position (u64). The grammar mask, logit bias and penalties have been
 applied to the row before (masked tokens are -inf).
 
-- u = uniform(position) (engine/rng.py): splitmix64 of the position, top 53
+- u = uniform(position) (kernels/rng.py): splitmix64 of the position, top 53
   bits scaled into [0, 1). The position is the only key.
 - Greedy when temperature <= 0: argmax with the LOWEST id on ties; NaN counts
   as -inf; if every entry is -inf or NaN the answer is 0.
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from superfluid.engine.rng import uniform
+from superfluid.kernels.rng import uniform
 
 
 def greedy(row: np.ndarray) -> int:

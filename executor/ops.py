@@ -1,8 +1,8 @@
 """Ops (SPEC §7): msgpack maps {op, op_id, ...} that change executor state
 between ticks. An op's failure is its completion's status; it never affects
-a tick. Seeds, grammars, strategies and entry export are later issues: their
-ops answer Unsupported, but releasing an unknown handle is still
-UnknownHandle."""
+a tick. Grammars and strategies are later issues: their ops answer
+Unsupported, but releasing an unknown handle is still UnknownHandle. The
+seed ops are in seed_ops.py."""
 
 from __future__ import annotations
 
@@ -16,15 +16,10 @@ from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedR
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
 from superfluid.executor import sampling as hs
+from superfluid.executor.op_fields import OpError, field as _field, handle as _handle
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-class OpError(Exception):
-    def __init__(self, status: OpStatus, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def _op_kind(v: Any) -> OpKind:
@@ -32,29 +27,14 @@ def _op_kind(v: Any) -> OpKind:
         try:
             return OpKind[v.upper()]
         except KeyError:
-            raise OpError(OpStatus.UnknownOp, f"op {v!r} is not one of {', '.join(k.name for k in OpKind)}") from None
+            raise OpError(OpStatus.UnknownOp, f"op {v[:64]!r} is not one of {', '.join(k.name for k in OpKind)}"
+                          ) from None
     if isinstance(v, int) and not isinstance(v, bool):
         try:
             return OpKind(v)
         except ValueError:
             raise OpError(OpStatus.UnknownOp, f"op {v} is not an op code") from None
     raise OpError(OpStatus.BadRequest, f"field 'op': expected a name or a code, got {type(v).__name__}")
-
-
-def _field(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
-    if name not in msg:
-        raise OpError(OpStatus.BadRequest, f"field {name!r} is missing")
-    v = msg[name]
-    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-        raise OpError(OpStatus.BadRequest, f"field {name!r}: expected {kind}, got {type(v).__name__}")
-    return v
-
-
-def _handle(msg: dict) -> int:
-    h = _field(msg, "handle", int)
-    if h <= 0:
-        raise OpError(OpStatus.BadRequest, f"field 'handle': {h} is not a handle")
-    return h
 
 
 def decode_op(payload: bytes) -> dict:
@@ -154,13 +134,15 @@ def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
 
 def _cache_clear(ex, msg: dict) -> tuple[int, int, bytes]:
     freed = 0
+    for e in ex.cache.lru(resident=False):  # the host tier: nothing of the pool
+        ex.cache.remove(e)
     for e in ex.cache.lru():
-        ex.cache.remove(e.seq)
+        ex.cache.remove(e)
         try:
             ex.runtime.seq_free(e.seq)
         except FatalError as err:
             # The worker's fatal path; in-process the executor refuses ticks from now on.
-            raise OpError(OpStatus.Refused, str(ex._fatal("CACHE_CLEAR", err))) from err
+            raise OpError(OpStatus.Refused, str(ex.fatal("CACHE_CLEAR", err))) from err
         except RuntimeFailure:
             pass  # the runtime holds nothing more of it that we could free
         # Reported in the next tick's shed report, so the counters reconcile.
@@ -183,17 +165,19 @@ def _release_unknown(what: str):
     return run
 
 
+from superfluid.executor import seed_ops  # noqa: E402 (it uses the field readers above)
+
 _OPS = {
     OpKind.DESCRIBE: _describe,
     OpKind.REGISTER_LOGIT_BIAS: _register_bias,
     OpKind.RELEASE_LOGIT_BIAS: _release_bias,
     OpKind.INJECT_FAULT: _inject_fault,
     OpKind.CACHE_CLEAR: _cache_clear,
-    OpKind.LEASE_SEED: _unsupported("seed leases"),
-    OpKind.RELEASE_SEED: _release_unknown("seed lease"),
+    OpKind.LEASE_SEED: seed_ops.lease_seed,
+    OpKind.RELEASE_SEED: seed_ops.release_seed,
     OpKind.REGISTER_GRAMMAR: _unsupported("grammars"),
     OpKind.RELEASE_GRAMMAR: _release_unknown("grammar"),
     OpKind.INSTALL_STRATEGY: _unsupported("speculation strategies"),
-    OpKind.EXPORT_ENTRY: _unsupported("entry exports"),
-    OpKind.IMPORT_STATE: _unsupported("state imports"),
+    OpKind.EXPORT_ENTRY: seed_ops.export_entry,
+    OpKind.IMPORT_STATE: seed_ops.import_state,
 }

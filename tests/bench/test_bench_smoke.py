@@ -56,6 +56,88 @@ def test_bench_peers_absent_are_reported_not_raised(monkeypatch):
     assert not out["nope"]["installed"] and "unknown peer" in out["nope"]["error"]
 
 
+def _fake_vllm(monkeypatch, answers):
+    """A stand-in `vllm` whose LLM answers each greedy prompt (a tuple of
+    token ids) with answers[prompt], and logs every generate call."""
+    import sys
+    import types
+
+    calls = []
+
+    class SamplingParams:
+        def __init__(self, *, max_tokens, logprobs=None, **kw):
+            self.n, self.logprobs = max_tokens, logprobs
+
+    class LLM:
+        def __init__(self, **kw):
+            pass
+
+        def generate(self, reqs, sp, use_tqdm=False):
+            calls.append((len(reqs), sp.n))
+            outs = []
+            for r in reqs:
+                toks = answers[tuple(r["prompt_token_ids"])][:sp.n]
+                # every step a tie between its pick and the token after it
+                lps = [{t: types.SimpleNamespace(logprob=-1.0), t + 1: types.SimpleNamespace(logprob=-1.0)}
+                       for t in toks] if sp.logprobs else None
+                out = types.SimpleNamespace(token_ids=toks, logprobs=lps)
+                outs.append(types.SimpleNamespace(outputs=[out]))
+            return outs
+
+    class CPUAttentionBackend:
+        @staticmethod
+        def get_supported_head_sizes():
+            return [32, 64]
+
+    mods = {name: types.ModuleType(name) for name in
+            ("vllm", "vllm.inputs", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends",
+             "vllm.v1.attention.backends.cpu_attn")}
+    mods["vllm"].LLM, mods["vllm"].SamplingParams = LLM, SamplingParams
+    mods["vllm.inputs"].TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    mods["vllm.v1.attention.backends.cpu_attn"].CPUAttentionBackend = CPUAttentionBackend
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    for var in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM",
+                "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.setenv(var, "")  # recorded, so what the peer sets is undone after the test
+        monkeypatch.delenv(var)
+    return calls
+
+
+def test_bench_vllm_peer_times_only_batches_whose_greedy_tokens_are_ours(monkeypatch):
+    import numpy as np
+    import torch
+
+    prompts = {1: np.array([[3, 4]]), 2: np.array([[5, 6], [7, 8]])}
+    ours = {1: np.array([[10, 11, 12]]), 2: np.array([[20, 21, 22], [30, 31, 32]])}
+    answers = {(3, 4): [10, 11, 12], (5, 6): [20, 21, 22], (7, 8): [30, 30, 32]}
+    calls = _fake_vllm(monkeypatch, answers)
+    res = peers._vllm_run(None, torch.float32, prompts, ours, 3, os.cpu_count(), 64)
+    assert res["greedy_agreement"] == {"1": 1.0, "2": 0.8333}
+    assert set(res["decode_tok_s"]) == {"1"} and res["decode_tok_s"]["1"] > 0
+    assert res["mismatch"] == {"2": "lane 1 step 1: 30, ours 31 (1 of 2 lanes differ); "
+                                    "its logprob of ours is 0.0000 below its own"}
+    # batch 1: checked, then timed (generate(1), generate(3)); batch 2: checked only
+    assert calls == [(1, 3), (1, 1), (1, 3), (2, 3)]
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+    with pytest.raises(ValueError, match="head_dim"):
+        peers._vllm_run(None, torch.float32, prompts, ours, 3, os.cpu_count(), 16)
+
+
+def test_first_mismatch_says_where_and_how_near_a_tie():
+    import numpy as np
+
+    ours = np.array([[1, 2, 3], [4, 5, 6]])
+    assert peers._first_mismatch(ours, ours) is None
+    theirs = np.array([[1, 2, 3], [4, 9, 7]])
+    lp = {9: -1.25, 5: -1.5}
+    assert peers._first_mismatch(theirs, ours, lambda lane, step: lp) == (
+        "lane 1 step 1: 9, ours 5 (1 of 2 lanes differ); its logprob of ours is 0.2500 below its own")
+    assert peers._first_mismatch(theirs, ours, lambda lane, step: {9: -1.0}).endswith("not in its top 1")
+    assert peers._agreement(np.zeros((2, 2)), ours) == 0.0  # a short answer agrees nowhere
+
+
 def test_gguf_export_permutes_q_and_k(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np

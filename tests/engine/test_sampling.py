@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 from scipy import stats
 
-from superfluid.engine.rng import (GOLDEN, MASK64, position_to_int64, splitmix64, uniform, uniform_np,
+from superfluid.kernels.rng import (GOLDEN, MASK64, position_to_int64, splitmix64, uniform, uniform_np,
                                    uniform_torch)
 from superfluid.engine.sampling import filtered_distribution, greedy, sample, sample_u
 

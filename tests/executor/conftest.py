@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from superfluid.abi import (
     AdmitStatus,
     CacheClass,
+    Determinism,
     Fault,
     Finish,
+    OpStatus,
     PlanFlag,
     Sampling,
     ShedKind,
@@ -31,6 +33,7 @@ from superfluid.engine import sampling as engine_sampling
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor, TickResult
 from superfluid.executor.rings import LocalRings
+from superfluid.executor.seeds import is_bare
 
 GREEDY, SAMPLE, HOST = int(Sampling.GPU_GREEDY), int(Sampling.GPU_SAMPLE), int(Sampling.HOST)
 BIG_BUDGET = 1 << 20
@@ -174,6 +177,18 @@ def check_invariants(ex: Executor) -> None:
         assert e.bytes == len(e.tokens) * rt.cell_bytes()
     if mem.cells_total:
         assert mem.cells_used <= mem.cells_total
+    # Leases pin what they name; exported entries live in host memory only.
+    pins = Counter(ls.entry.eid for ls in ex.leases)
+    for e in ex.cache.all():
+        assert e.pins == pins.get(e.eid, 0), (e.eid, e.pins, pins)
+        assert e.resident == (e.blob is None), e.eid
+        if e.bare:
+            assert e.resident and any(ls.adopt and ls.entry is e for ls in ex.leases)
+    for ls in ex.leases:
+        assert ex.cache.get(ls.entry.eid) is ls.entry
+        # (an expired lease is swept by the next check: SPEC §3 step 3)
+        assert ls.entry.tokens[:len(ls.prefix)] == ls.prefix and ls.expires >= ex.tick_count
+    assert ex.cache.host_bytes <= max(ex.host_cache_bytes, 0)
 
 
 def check_events(ex: Executor, plan, r: TickResult) -> None:
@@ -188,7 +203,10 @@ def check_events(ex: Executor, plan, r: TickResult) -> None:
     assert shed.prefill_chunks_dropped == len(chunks)
     assert shed.evictions_performed == len(evictions)
     assert shed.bytes_evicted == sum(s.bytes for s in evictions)
-    assert all(s.lane_tag == 0 for s in evictions)
+    admitted = {a.lane_tag for a in plan.admits}
+    for s in evictions:  # a takeover or a lost import names the lane it seeded
+        named = s.reason in (int(ShedReason.TAKEOVER), int(ShedReason.LOST))
+        assert (s.lane_tag in admitted) if named else s.lane_tag == 0, s
     assert all(s.tokens > 0 for s in chunks)
     want = (TickStatus.LANE_ERRORS if ev.faults else
             TickStatus.SHED if shed.prefill_chunks_dropped or shed.evictions_performed else TickStatus.OK)
@@ -251,10 +269,11 @@ class LaneModel:
     row: np.ndarray | None = None
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: int = 0  # want_logprobs
+    seeded: int = 0  # prompt tokens a seed lease covered at admission
 
     @property
     def prefill_end(self) -> int:
-        return len(self.prompt) - self.replay
+        return max(len(self.prompt) - self.replay, self.seeded)
 
 
 Draw = Callable[[Any], Any]
@@ -283,6 +302,9 @@ class Planner:
         self.solo_check = solo_check
         self.solo_kwargs = solo_kwargs or {}
         self.replan = False
+        self.leases: dict[int, tuple[tuple[int, ...], bool]] = {}  # handle -> (prefix, from an import)
+        self.op_id = 1000
+        self.seeds_used: set[int] = set()  # leases an admit of the plan being built uses
         self.taken: set[int] = set()
         self.partials: list[tuple[int, int, int, int]] = []
         ex.partial_sink = lambda seq, tag, tok, idx: self.partials.append((seq, tag, tok, idx))
@@ -314,12 +336,61 @@ class Planner:
 
     # ------------------------------------------------------------ plans
 
+    def op(self, **msg):
+        self.op_id += 1
+        return self.ex.op({"op_id": self.op_id, **msg})
+
+    def lease(self, tokens) -> int | None:
+        """LEASE_SEED for `tokens`; the handle, or None (NoMatch)."""
+        done = self.op(op="LEASE_SEED", tokens=[int(t) for t in tokens], ttl_ticks=self.pick([1, 3, 8]))
+        if done.status == int(OpStatus.OK):
+            entry = self.ex.leases.get(done.handle).entry
+            chosen = [self.ex.leases.get(h) for h in self.seeds_used]
+            if any(ls is not None and ls.adopt and ls.entry is entry for ls in chosen):
+                # It would take away the bareness an admit of this plan adopts.
+                assert self.op(op="RELEASE_SEED", handle=done.handle).status == int(OpStatus.OK)
+                return None
+            self.leases[done.handle] = (tuple(tokens[:done.value]), False)
+            self.stats["lease"] += 1
+            return done.handle
+        assert done.status in (int(OpStatus.NoMatch), int(OpStatus.Capacity)), done
+        return None
+
+    def usable_lease(self, prompt: list[int]) -> int | None:
+        """A live lease (the planner sees the executor's tick count, as the
+        op's ttl says) that seeds this prompt."""
+        for h, (prefix, _imported) in sorted(self.leases.items(), key=lambda kv: (not kv[1][1], kv[0])):
+            ls = self.ex.leases.get(h)
+            if ls is None or ls.expires <= self.ex.tick_count or h in self.seeds_used:
+                continue
+            if tuple(prompt[:len(prefix)]) != prefix or (self.ex.desc.exact_only and len(prefix) == len(prompt)):
+                continue
+            if ls.adopt and not is_bare(ls):
+                continue
+            return h
+        return None
+
+    def cached_prefix(self) -> list[int]:
+        """Some cached tokens to start a prompt with (so leases hit)."""
+        imported = sorted(p for p, imp in self.leases.values() if imp)
+        if imported and self.coin(0.5, default=True):
+            return list(self.pick(imported))  # an import's bare sequence, to adopt
+        entries = self.ex.cache.all()
+        if not entries or not self.coin(0.6, default=True):
+            return []
+        e = self.pick(sorted(entries, key=lambda e: e.eid))
+        return list(e.tokens[:len(e.tokens) - self.i(0, len(e.tokens) - 1)])  # the simplest draw: all of it
+
     def new_lane(self, *, long: bool = False) -> tuple[LaneModel, RingRef]:
         vocab, limit = self.ex.desc.vocab_size, self.ex.desc.max_seq_len
         n = self.i(limit * 2 // 3, limit) if long else self.i(1, min(24, limit))
         eos = self.rt.vocabulary().eos
         prompt = self.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
         prompt = [t if t not in eos else 0 for t in prompt]  # EOS in a prompt is fine, but keep it plain
+        if not long:
+            start = self.cached_prefix()
+            prompt = (start + prompt)[:limit]
+            n = len(prompt)
         sampling = self.pick([GREEDY, SAMPLE, HOST])
         temp = self.pick([0.0, 0.7, 1.0, 1.5])  # GPU_GREEDY ignores it
         params = sampling_params(temperature=temp, top_k=self.pick([0, 5]), top_p=self.pick([0.0, 0.9]),
@@ -372,11 +443,28 @@ class Planner:
         # refuses to prefill or decode a tag the plan also retires, even a new lane's.)
         self.taken = set(retiring)
         # Admits.
+        self.seeds_used: set[int] = set()
         if allow_admits and len(self.lanes) < 10:
             for _ in range(self.pick([1, 0, 0, 1, 2])):
                 m, ref = self.new_lane()
+                seed = 0
+                if self.coin(0.6, default=True):
+                    asked = m.prompt[:-1] if self.ex.desc.exact_only else m.prompt
+                    if asked and self.coin(0.8, default=True):
+                        self.lease(asked)
+                    seed = self.usable_lease(m.prompt) or 0
+                if seed:
+                    self.seeds_used.add(seed)
+                    m.seeded = len(self.leases[seed][0])
+                    m.prefilled = m.seeded
+                    self.stats["seeded"] += 1
+                    if not self.ex.leases.get(seed).entry.resident:
+                        self.stats["seed_from_host"] += 1
+                    if self.leases[seed][1]:
+                        self.stats["seed_adopt"] += 1
                 b.admit(m.tag, ref, sampling=m.sampling, params=m.params, rng_counter_base=m.base,
-                        decode_replay=m.replay, want_logprobs=m.logprobs)
+                        decode_replay=m.replay, want_logprobs=m.logprobs, seed_handle=seed,
+                        determinism_class=int(Determinism.SEED_PATH_INVARIANT) if seed else 0)
                 meta["new"][m.tag] = m
         if pressure:
             m, ref = self.new_lane(long=True)
@@ -435,7 +523,7 @@ class Planner:
             meta["grants"][m.tag] = grant
             used.add(m.tag)
             lane = ex.lanes.get(m.tag)
-            meta["replay_left"][m.tag] = m.replay if lane is None else max(
+            meta["replay_left"][m.tag] = len(m.prompt) - m.prefill_end if lane is None else max(
                 0, len(lane.prompt) - max(len(lane.committed), lane.prefill_end))
         if self.coin(0.2) and b.decodes:
             b.max_decode_lanes = self.i(len(b.decodes), desc.max_batch)
@@ -462,6 +550,7 @@ class Planner:
         ex = self.ex
         meta = meta or dict(new={}, grants={}, prefill={}, replay_left={})
         plan = b.build()
+        ex.sweep_leases()  # what the check does first (SPEC §3 step 3): even a reject may sweep
         before = snapshot(ex)
         ex.rings.yield_flag = yield_
         self.partials = []
@@ -479,6 +568,7 @@ class Planner:
             return r
         assert r.status == Status.OK, f"a valid plan was refused: {r.message}"
         self.stats["ok"] += 1
+        self.leases = {h: v for h, v in self.leases.items() if self.ex.leases.get(h) is not None}
         ev = r.events
         check_events(ex, plan, r)
         check_invariants(ex)
@@ -628,7 +718,7 @@ class Planner:
         ref = put(ex, m.prompt)
         b = PlanBuilder(1, prefill_token_budget=BIG_BUDGET).admit(
             1, ref, sampling=m.sampling, params=m.params, rng_counter_base=m.base, decode_replay=m.replay)
-        b.prefill(1, 0, m.prefill_end).decode(1, m.replay + len(m.generated))
+        b.prefill(1, 0, len(m.prompt) - m.replay).decode(1, m.replay + len(m.generated))
         r = ex.tick(b.build())
         assert r.status == Status.OK, r.message
         assert emitted(ex, r.events.emits[0]) == m.generated, f"lane {m.tag} differs from its solo run"
@@ -647,6 +737,8 @@ class Planner:
             if self.tick(b).status == Status.OK:
                 break
         assert not ex.lanes and not ex.faulted
+        for ls in ex.leases:  # pinned entries stay through a clear
+            assert self.op(op="RELEASE_SEED", handle=ls.handle).status == int(OpStatus.OK)
         done = ex.op({"op": "CACHE_CLEAR", "op_id": 99})
         assert done.status == 0
         n = len(ex.pending_shed)

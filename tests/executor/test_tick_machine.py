@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgpack
+
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -56,6 +58,9 @@ CONFIGS = [
     # short sequences (LENGTH finishes), big pages, a tiny pool
     dict(vocab_size=32, max_seq_len=20, page=8, cells_total=96, max_batch=3, eos_rate=0.0,
          prefill_step_tokens=5),
+    # copies that cost their cells, seeds that take their entry over
+    dict(vocab_size=32, max_seq_len=40, page=4, cells_total=128, copy_shares_cells=False,
+         takeover_preferred=True, eos_rate=0.03, seed=5),
 ]
 
 COVERAGE: Counter[str] = Counter()
@@ -66,11 +71,13 @@ class TickMachine(RuleBasedStateMachine):
 
     cfg: int = 0  # which of CONFIGS (a subclass per config, see test_tick_machine)
 
-    @initialize(data=st.data(), cache_max_bytes=st.sampled_from([None, None, 4096]))
-    def setup(self, data, cache_max_bytes):
+    @initialize(data=st.data(), cache_max_bytes=st.sampled_from([None, None, 4096]),
+                host=st.sampled_from([1 << 20, 0, 2048]))
+    def setup(self, data, cache_max_bytes, host):
         kw = CONFIGS[self.cfg]
         rt = FakeRuntime(**kw)
-        ex = Executor(rt, small_rings(), fault_injection=True, cache_max_bytes=cache_max_bytes)
+        ex = Executor(rt, small_rings(), fault_injection=True, cache_max_bytes=cache_max_bytes,
+                      host_cache_bytes=host, max_leases=6)
         self.planner = Planner(ex, data.draw, solo_check=True, solo_kwargs=kw)
         self.op_id = 0
 
@@ -124,6 +131,44 @@ class TickMachine(RuleBasedStateMachine):
         p.op_injected[m.tag] = int(Fault.INJECTED)
 
     @rule(data=st.data())
+    def lease_or_release(self, data):
+        """A lease the planner may never use (it expires), or a release."""
+        p = self.planner
+        p.draw = data.draw
+        if p.leases and p.coin(0.5):
+            h = p.pick(sorted(p.leases))
+            done = p.op(op="RELEASE_SEED", handle=h)
+            assert done.status in (int(OpStatus.OK), int(OpStatus.UnknownHandle))  # it may have expired
+            p.leases.pop(h)
+            p.stats["release"] += 1
+        else:
+            prefix = p.cached_prefix()
+            if prefix:
+                p.lease(prefix)
+
+    @rule(data=st.data())
+    def export_import(self, data):
+        """EXPORT_ENTRY of a lease, IMPORT_STATE of it back: a bare sequence
+        a later admit may adopt."""
+        p = self.planner
+        p.draw = data.draw
+        prefix = p.cached_prefix()
+        h = p.lease(prefix) if prefix else None
+        if h is None:
+            return
+        done = p.op(op="EXPORT_ENTRY", handle=h)
+        assert done.status == int(OpStatus.OK), done
+        blob = msgpack.unpackb(done.payload)["blob"]
+        toks = list(p.leases[h][0])
+        cut = toks[:len(toks) - p.i(0, len(toks) - 1)] if not self.ex.desc.exact_only else toks
+        imp = p.op(op="IMPORT_STATE", tokens=cut, blob=blob, ttl_ticks=p.pick([2, 6]))
+        if imp.status == int(OpStatus.OK):
+            p.leases[imp.handle] = (tuple(cut[:imp.value]), True)
+            p.stats["import"] += 1
+        else:  # a full pool or lease table, or less than a page of tokens
+            assert imp.status in (int(OpStatus.Capacity), int(OpStatus.BadRequest)), imp
+
+    @rule(data=st.data())
     def cache_clear(self, data):
         self.planner.draw = data.draw
         if not self.planner.coin(0.3):
@@ -133,7 +178,7 @@ class TickMachine(RuleBasedStateMachine):
         self.op_id += 1
         done = ex.op({"op": "CACHE_CLEAR", "op_id": self.op_id})
         assert done.status == int(OpStatus.OK)
-        assert len(ex.cache) == 0
+        assert all(e.pins for e in ex.cache.all())  # only what a lease holds stays
         self.planner.pending_clear = len(ex.pending_shed)
         if n:
             self.planner.stats["cache_clear"] += 1
@@ -160,7 +205,8 @@ def test_tick_machine():
     for what in ("ok", "tokens", "commit", "host_row", "retire", "retire_publish", "yield", "solo",
                  f"fault_{int(Fault.INTERNAL)}", f"fault_{int(Fault.INJECTED)}", "shed_reason_1",
                  "needs_replan",
-                 "evict_reason_3", "finish_1", "finish_2"):
+                 "evict_reason_3", "finish_1", "finish_2", "seeded", "seed_from_host", "seed_adopt", "release",
+                 "import", f"evict_reason_{int(ShedReason.TAKEOVER)}"):
         assert COVERAGE[what] > 0, (what, COVERAGE)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from superfluid.engine.rng import position_to_int64
+from superfluid.kernels.rng import position_to_int64
 from superfluid.engine.sampling import sample, sample_u
 from superfluid.kernels import sampling as ks
 from superfluid.kernels.sampling import sample_torch

@@ -1,0 +1,259 @@
+"""Decode and the events (SPEC §4): rounds in which every decoding lane
+feeds its pending token and picks the next (on the device where the runtime
+samples, else on the host), decode_replay's rounds, finishes, HOST rows to
+the logits ring, and the TickEvents that report the tick.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from superfluid.abi import Fault, Finish, Sampling, Status, TickStatus
+from superfluid.abi.records import LaneEmit, LaneLogprob, RingRef, ShedReport, TickEvents, TickTimings
+from superfluid.engine.runtime import CapacityError, FatalError, Feed, LaneFault, RuntimeFailure, SampleSpec
+from superfluid.executor import sampling as hs
+from superfluid.executor.lanes import Lane, PendingRow
+from superfluid.rings.errors import RefError
+
+_HOST = int(Sampling.HOST)
+_GREEDY_SPEC = SampleSpec()
+
+
+def lane_fault_code(e: RuntimeFailure) -> int | None:
+    """The LaneFault code a runtime error becomes; None: it is fatal."""
+    if isinstance(e, LaneFault):
+        return e.code
+    if isinstance(e, CapacityError):
+        return int(Fault.OOM_TENTATIVE)
+    if isinstance(e, FatalError):
+        return None
+    return int(Fault.INTERNAL)  # Unsupported, UnknownSequence, OutOfBounds: ours, but a lane's
+
+
+class DecodePhase:
+    """The decode and events phases of a Tick (tick.py holds the rest)."""
+
+    # ----------------------------------------------------------- decode
+
+    @staticmethod
+    def _engine_spec(lane: Lane) -> SampleSpec | None:
+        """The device sampling spec of a lane, or None when the host samples it."""
+        if not lane.engine_ok:
+            return None
+        p = lane.params
+        if lane.greedy:
+            return _GREEDY_SPEC
+        return SampleSpec(p.temperature, p.top_k, p.top_p, p.min_p, lane.position)
+
+    def decode(self) -> None:
+        ex, plan = self.ex, self.plan
+        yielded = self.yielded
+        remaining: dict[int, int] = {}
+        replaying: list[int] = []
+        round_: list[tuple[int, int]] = []  # (tag, token to feed)
+        for d in plan.decodes:
+            tag = d.lane_tag
+            if tag in self.faulted_now:
+                continue
+            code = ex.inject_fault.pop(tag, None)
+            if code is not None:
+                self.fault(tag, code)
+                continue
+            if d.max_new_tokens == 0:
+                continue
+            lane = ex.lanes[tag]
+            if yielded and len(lane.committed) < len(lane.prompt):
+                continue  # its prefill was cut short by the yield
+            remaining[tag] = d.max_new_tokens
+            if len(lane.committed) < len(lane.prompt):
+                replaying.append(tag)
+                continue
+            if tag in self.rows:
+                continue  # the prefill's last step gave its first row
+            if lane.pending_input is None:
+                raise ex.fatal("decode", RuntimeError(f"lane {tag} has no input to decode"))
+            round_.append((tag, lane.pending_input))
+            lane.pending_input = None
+        self._replay(replaying, remaining)
+        self._rounds(round_, remaining)
+
+    def _replay(self, replaying: list[int], remaining: dict[int, int]) -> None:
+        """decode_replay: the prompt's tail, one token a round, as decode fed
+        it the first time; not emitted, counted against the grant."""
+        ex = self.ex
+        yield_after = False
+        while True:
+            passes: list[tuple[int, int, bool]] = []
+            for tag in replaying:
+                lane = ex.lanes.get(tag)
+                if lane is None or remaining.get(tag, 0) <= 0 or len(lane.committed) >= len(lane.prompt):
+                    continue
+                token = lane.prompt[len(lane.committed)]
+                last = len(lane.committed) + 1 == len(lane.prompt)
+                lane.committed.append(token)
+                remaining[tag] -= 1
+                if last and remaining[tag] == 0:
+                    lane.pending_input = token
+                else:
+                    passes.append((tag, token, last))
+            if not passes:
+                break
+            if yield_after and ex.rings.yield_requested():
+                for tag, _, _ in passes:
+                    ex.lanes[tag].committed.pop()
+                    remaining[tag] += 1
+                break
+            yield_after = True
+            for i in range(0, len(passes), max(1, ex.desc.max_batch)):
+                chunk = passes[i:i + max(1, ex.desc.max_batch)]
+                feeds = [Feed(ex.lanes[tag].seq, [token], last) for tag, token, last in chunk]
+                got = self.step(feeds, [tag for tag, _, _ in chunk], "a decode replay")
+                if got is None:
+                    for tag, _, _ in chunk:
+                        remaining.pop(tag, None)
+                    continue
+                it = iter(got)
+                for tag, _, last in chunk:
+                    if last:
+                        self.rows[tag] = next(it)
+        for tag in replaying:
+            if remaining.get(tag) == 0:
+                remaining.pop(tag)
+
+    def _finish(self, lane: Lane, code: int, remaining: dict[int, int]) -> None:
+        self.finishes[lane.tag] = int(code)
+        lane.finished = True
+        remaining.pop(lane.tag, None)
+
+    def _rounds(self, round_: list[tuple[int, int]], remaining: dict[int, int]) -> None:
+        ex, rt = self.ex, self.rt
+        desc = ex.desc
+        eos = rt.vocabulary().eos
+        max_len = desc.max_seq_len
+        picked: dict[int, int] = {}
+        while True:
+            for i in range(0, len(round_), max(1, desc.max_batch)):
+                chunk = round_[i:i + max(1, desc.max_batch)]
+                lanes = [ex.lanes[tag] for tag, _ in chunk]
+                feeds = [Feed(ln.seq, [tok], True) for ln, (_, tok) in zip(lanes, chunk)]
+                tags = [tag for tag, _ in chunk]
+                specs = [self._engine_spec(ln) for ln in lanes]
+                if all(s is not None for s in specs):
+                    try:
+                        toks = rt.step_sampled(feeds, specs)
+                    except RuntimeFailure as e:
+                        code = lane_fault_code(e)
+                        if code is None:
+                            raise ex.fatal("a decode step", e) from e
+                        for tag in tags:
+                            self.fault(tag, code)
+                            remaining.pop(tag, None)
+                        continue
+                    if toks is not None:
+                        picked.update(zip(tags, toks))
+                        continue
+                got = self.step(feeds, tags, "a decode step")
+                if got is None:
+                    for tag in tags:
+                        remaining.pop(tag, None)
+                    continue
+                self.rows.update(zip(tags, got))
+            round_ = []
+            for tag in sorted(set(self.rows) | set(picked)):
+                lane = ex.lanes.get(tag)
+                if lane is None or tag not in remaining:
+                    self.rows.pop(tag, None)
+                    picked.pop(tag, None)
+                    continue
+                if len(lane.committed) >= max_len:
+                    self.rows.pop(tag, None)
+                    picked.pop(tag, None)
+                    self._finish(lane, Finish.LENGTH, remaining)
+                    continue
+                if tag in picked:
+                    token = int(picked.pop(tag))
+                else:
+                    row = self.rows.pop(tag)
+                    if lane.sampling == _HOST:
+                        remaining.pop(tag, None)
+                        try:
+                            ref = ex.rings.write_logits(row)
+                        except RefError:
+                            self.fault(tag, Fault.REF_SPAN_OOB)
+                            continue
+                        lane.pending_row = PendingRow(ex._fresh_nonce(), ref)
+                        continue
+                    token = self._host_pick(lane, row)
+                lane.committed.append(token)
+                lane.rng_counter += 1
+                out = self.out_tokens[tag]
+                if self.partial:
+                    ex.partial_sink(self.plan.plan_seq, tag, token, len(out))
+                out.append(token)
+                remaining[tag] -= 1
+                lane.pending_input = token
+                if token in eos and not lane.ignore_eos:
+                    self._finish(lane, Finish.EOS, remaining)
+                elif len(lane.committed) >= max_len:
+                    self._finish(lane, Finish.LENGTH, remaining)
+                elif remaining[tag] == 0:
+                    remaining.pop(tag)
+                else:
+                    lane.pending_input = None
+                    round_.append((tag, token))
+            if not round_:
+                break
+            if ex.rings.yield_requested():
+                for tag, token in round_:
+                    ex.lanes[tag].pending_input = token
+                    remaining.pop(tag, None)
+                break
+
+    def _host_pick(self, lane: Lane, row: np.ndarray) -> int:
+        ex = self.ex
+        exempt = frozenset()
+        if hs.penalizes(lane.params):
+            if ex.penalty_exempt is None:
+                v = self.rt.vocabulary()
+                ex.penalty_exempt = frozenset(v.specials.values()) | frozenset(v.eos)
+            exempt = ex.penalty_exempt
+        token, lp = hs.pick(row, lane.sampling, lane.params, lane.position, bias=lane.bias, history=lane.committed,
+                            exempt=exempt, want_logprobs=0 if lane.logprobs_top is None else lane.logprobs_top + 1)
+        if lp is not None:
+            idx = len(self.out_tokens[lane.tag])
+            self.logprobs.append(LaneLogprob(lane_tag=lane.tag, token_id=token, logprob=lp.logprob,
+                                             n_top=len(lp.top_ids), index=idx, top_ids=lp.top_ids,
+                                             top_logprobs=lp.top_logprobs))
+        return token
+
+    # ----------------------------------------------------------- events
+
+    def events(self, timings: TickTimings) -> TickEvents:
+        ex = self.ex
+        emits = []
+        for d in self.plan.decodes:
+            tag = d.lane_tag
+            if tag in self.faulted_now or tag not in ex.lanes:
+                continue
+            lane = ex.lanes[tag]
+            finish = self.finishes.get(tag, int(Finish.NONE))
+            if lane.sampling == Sampling.HOST:
+                row = lane.pending_row
+                emits.append(LaneEmit(lane_tag=tag, finish=finish, logits_row=row.ref if row else RingRef(),
+                                      logits_nonce=row.nonce if row else 0))
+                continue
+            tokens = self.out_tokens.get(tag, [])
+            try:
+                ref = ex.rings.write_tokens(np.asarray(tokens, dtype=np.uint32))
+            except RefError:
+                self.fault(tag, Fault.REF_SPAN_OOB)
+                continue
+            ex.tokens_emitted += len(tokens)
+            emits.append(LaneEmit(lane_tag=tag, token_ref=ref, n_tokens=len(tokens), finish=finish))
+        status = (TickStatus.LANE_ERRORS if self.faults else
+                  TickStatus.SHED if self.chunks_dropped or self.evictions else TickStatus.OK)
+        shed = ShedReport(self.chunks_dropped, self.evictions, self.bytes_evicted, tuple(self.shed))
+        return TickEvents(plan_seq=self.plan.plan_seq, status=int(Status.OK), tick_status=int(status),
+                          admit_results=tuple(self.admit_results), emits=tuple(emits), faults=tuple(self.faults),
+                          shed=shed, op_completions=tuple(ex._take_completions()), logprobs=tuple(self.logprobs),
+                          timings=timings, mem=ex._mem_record(), worker_epoch=ex.epoch)

@@ -1,0 +1,321 @@
+"""Running an accepted plan (SPEC §4), phase by phase, in the SPEC's order:
+evictions the check planned, retires (publish or free), cache settling,
+commits, then (admit.py) seed takeovers and admits, seeded or fresh, then
+prefill; decode and the events are in decode.py. Nothing here can reject: the check has made sure
+that everything fits, so a runtime failure is a lane's fault or fatal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from superfluid.abi import PlanFlag, ShedKind, ShedReason
+from superfluid.abi.records import LaneFault as LaneFaultRecord, ShedEntry, TickPlan
+from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
+from superfluid.executor.cache import CacheEntry
+from superfluid.executor.check import Verdict
+from superfluid.executor.admit import AdmitPhase
+from superfluid.executor.decode import DecodePhase, lane_fault_code
+from superfluid.executor.lanes import Lane
+
+# A prompt shorter than this is not checkpointed on an exact_only runtime: it is cheap to run again.
+CHECKPOINT_MIN_TOKENS = 128
+# While latency-sensitive requests wait, a prefill step is about this much work,
+# so a yield asked for mid-tick is answered within it.
+LATENCY_STEP_SECS = 0.3
+LATENCY_STEP_UNIT = 128
+
+
+class Tick(AdmitPhase, DecodePhase):
+    """One applied plan's working state."""
+
+    def __init__(self, ex, v: Verdict):
+        plan: TickPlan = v.plan
+        self.ex = ex
+        self.rt = ex.runtime
+        self.plan = plan
+        self.verdict = v
+        self.admit_results: list = []
+        self.faults: list = []
+        self.faulted_now: set[int] = set()
+        self.shed: list = list(ex.pending_shed)
+        self.chunks_dropped = 0
+        self.evictions = len(ex.pending_shed)
+        self.bytes_evicted = sum(e.bytes for e in ex.pending_shed)
+        ex.pending_shed = []
+        self.logprobs: list = []
+        self.rows: dict[int, np.ndarray] = {}
+        self.out_tokens: dict[int, list[int]] = {d.lane_tag: [] for d in plan.decodes}
+        self.finishes: dict[int, int] = {}
+        self.partial = bool(plan.flags & PlanFlag.PARTIAL_EMITS) and ex.partial_sink is not None
+        self.yielded = False
+        self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
+
+    # ----------------------------------------------------------- faults
+
+    def fault(self, tag: int, code: int, detail: int = 0) -> None:
+        if tag in self.faulted_now:
+            return
+        self.faulted_now.add(tag)
+        self.faults.append(LaneFaultRecord(lane_tag=tag, code=int(code), detail=detail))
+        self.ex.last_fault = (tag, int(code))
+        lane = self.ex.lanes.pop(tag, None)
+        if lane is not None:
+            self.free(lane.seq, "freeing a faulted lane")
+            self.ex.faulted.add(tag)
+        self.ex.inject_fault.pop(tag, None)
+        self.rows.pop(tag, None)
+
+    def free(self, seq: int, during: str) -> None:
+        """Free a sequence; only a fatal error matters (any other means the
+        runtime holds nothing more of it that we could free)."""
+        try:
+            self.rt.seq_free(seq)
+        except FatalError as e:
+            raise self.ex.fatal(during, e) from e
+        except RuntimeFailure:
+            pass
+
+    def step(self, feeds: list[Feed], tags: list[int], during: str) -> list[np.ndarray] | None:
+        """One runtime step; on a lane error its lanes fault and None returns."""
+        try:
+            return self.rt.step(feeds)
+        except RuntimeFailure as e:
+            code = lane_fault_code(e)
+            if code is None:
+                raise self.ex.fatal(during, e) from e
+            for tag in tags:
+                self.fault(tag, code)
+            return None
+
+    def _shed_entry(self, tag: int, reason: int, nbytes: int, tokens: int) -> None:
+        self.shed.append(ShedEntry(lane_tag=tag, kind=int(ShedKind.CACHE_EVICTION), reason=int(reason),
+                                   bytes=nbytes, tokens=tokens))
+        self.evictions += 1
+        self.bytes_evicted += nbytes
+
+    # ----------------------------------------------------------- cache
+
+    def evict(self, e: CacheEntry, reason: int) -> None:
+        """The entry leaves the pool: to host memory where it can go, else gone."""
+        ex = self.ex
+        seq = e.seq
+        if not ex.to_host(e):
+            ex.cache.remove(e)
+        self.free(seq, "evicting a cache entry")
+        self._shed_entry(0, reason, e.bytes, len(e.tokens))
+
+    def settle_cache(self) -> None:
+        """Keep the cache within its byte limit: least recently used first."""
+        limit = self.ex.cache_max_bytes
+        if limit is None:
+            return
+        over = self.ex.cache.resident_bytes - limit
+        for e in self.ex.cache.lru():
+            if over <= 0:
+                break
+            over -= e.bytes
+            self.evict(e, ShedReason.PRESSURE)
+
+    def publish(self, lane: Lane) -> bool:
+        """Keep a retiring lane's sequence as a cache entry; False when it
+        is not kept (the caller frees it)."""
+        ex = self.ex
+        if lane.pending_input is not None:
+            # Forward-once held the last token back: feed it so the entry keys every
+            # committed token. Out of cells, the step changed nothing: publish what is
+            # held. A lane fault says the sequence itself is suspect: keep none of it.
+            try:
+                self.rt.step([Feed(lane.seq, [lane.pending_input])])
+                lane.pending_input = None
+            except CapacityError:
+                pass
+            except FatalError as e:
+                raise ex.fatal("a publishing retire", e) from e
+            except RuntimeFailure:
+                return False
+        ingested = lane.ingested
+        key_len = ingested if ex.exact_only else ingested // ex.page * ex.page
+        if key_len < 1:
+            return False
+        key = tuple(lane.committed[:key_len])
+        cover = [e for e in ex.cache.containing(key) if e.resident and (len(e.tokens) == key_len or not ex.exact_only)]
+        if cover:
+            for e in cover:
+                e.last_used = ex.tick_count  # the same cells are cached already
+            return False
+        if key_len < self.rt.seq_len(lane.seq):
+            try:
+                self.rt.seq_truncate(lane.seq, key_len)
+            except RuntimeFailure:
+                return False
+        if not ex.exact_only:
+            # An entry the new one extends serves no lease the new one cannot: merge it
+            # (on a runtime that shares cells, the two hold the same blocks anyway).
+            for n in range(ex.page, key_len, ex.page):
+                for e in ex.cache.containing(key[:n]):
+                    if len(e.tokens) == n and e.resident and e.pins == 0 and not e.bare:
+                        ex.cache.remove(e)
+                        self.free(e.seq, "merging a cache entry")
+        ex.cache.insert(lane.seq, key, len(lane.prompt), ex.entry_bytes(key_len), ex.tick_count)
+        return True
+
+    # ----------------------------------------------------------- phases
+
+    def retires(self) -> None:
+        ex = self.ex
+        publishing = []
+        # Frees first: the memory check counted their cells as free for the
+        # publishes' pending feeds, whatever the plan's order.
+        for r in self.plan.retires:
+            if r.lane_tag in ex.faulted:
+                ex.faulted.discard(r.lane_tag)
+                continue
+            lane = ex.lanes.pop(r.lane_tag)
+            ex.inject_fault.pop(r.lane_tag, None)
+            if r.publish_to_cache and r.lane_tag in self.verdict.unpublish:
+                # Evicted before it was kept, to make room for this plan.
+                self._shed_entry(0, ShedReason.MEMORY, ex.entry_bytes(lane.ingested), lane.ingested)
+                self.free(lane.seq, "a retire")
+            elif r.publish_to_cache:
+                publishing.append(lane)
+            else:
+                self.free(lane.seq, "a retire")
+        for lane in publishing:
+            if not self.publish(lane):
+                self.free(lane.seq, "a retire")
+
+    def commits(self) -> None:
+        for c in self.plan.commits:
+            lane = self.ex.lanes[c.lane_tag]
+            lane.committed.append(c.token_id)
+            lane.pending_input = c.token_id
+            lane.pending_row = None
+            lane.rng_counter += 1
+
+    def _shed_chunk(self, tag: int, tokens: int, reason: int) -> None:
+        self.chunks_dropped += 1
+        self.shed.append(ShedEntry(lane_tag=tag, kind=int(ShedKind.PREFILL_CHUNK), reason=int(reason), bytes=0,
+                                   tokens=tokens))
+
+    def _step_cap(self) -> int:
+        ex = self.ex
+        n = ex.desc.prefill_step_tokens
+        if n == 0:
+            return 1 << 62
+        spt = ex.prefill_secs_per_token
+        if spt and spt > 0 and ex.rings.latency_wanted():
+            fits = int(LATENCY_STEP_SECS / spt) // LATENCY_STEP_UNIT * LATENCY_STEP_UNIT
+            return min(max(fits, LATENCY_STEP_UNIT), max(n, LATENCY_STEP_UNIT))
+        return n
+
+    def prefill(self) -> None:
+        ex, plan = self.ex, self.plan
+        decoding = {d.lane_tag for d in plan.decodes if d.max_new_tokens > 0}
+        budget = plan.prefill_token_budget
+        work: list[list[int]] = []  # [tag, next prompt index, end]
+        for p in plan.prefills:
+            take = min(p.token_count, budget)
+            budget -= take
+            if p.token_count > take:
+                self._shed_chunk(p.lane_tag, p.token_count - take, ShedReason.BUDGET)
+            if take:
+                work.append([p.lane_tag, p.token_offset, p.token_offset + take])
+        cap = self._step_cap()
+        max_feeds = max(1, ex.desc.max_batch)  # the runtime refuses larger steps
+        ran = 0
+        stepped = False
+        checkpoints: list[int] = []
+        t0 = ex.clock()
+        while any(w[1] < w[2] for w in work):
+            if stepped and ex.rings.yield_requested():
+                for tag, nxt, end in work:
+                    if nxt < end:
+                        self._shed_chunk(tag, end - nxt, ShedReason.YIELD)
+                self.yielded = True
+                break
+            stepped = True
+            feeds, tags, wants = [], [], []
+            left = cap
+            for w in work:
+                tag, nxt, end = w
+                if nxt >= end or left == 0 or len(feeds) == max_feeds:
+                    continue
+                lane = ex.lanes.get(tag)
+                if lane is None:  # faulted in an earlier step of this tick
+                    w[1] = end
+                    continue
+                take = min(end - nxt, left)
+                left -= take
+                ran += take
+                w[1] = nxt + take
+                chunk = lane.prompt[nxt:nxt + take]
+                completes = nxt + take == len(lane.prompt)
+                feed = [lane.pending_input] if lane.pending_input is not None else []
+                lane.pending_input = None
+                checkpoint = completes and ex.exact_only and len(lane.prompt) >= 2
+                want = completes and tag in decoding and not checkpoint
+                if checkpoint:
+                    checkpoints.append(tag)
+                if completes and not want:
+                    feed.extend(chunk[:-1])
+                    lane.pending_input = chunk[-1]
+                else:
+                    feed.extend(chunk)
+                lane.committed.extend(chunk)
+                lane.prefilled += take
+                if feed:
+                    feeds.append(Feed(lane.seq, feed, want))
+                    tags.append(tag)
+                    wants.append(want)
+            if not feeds:
+                continue
+            got = self.step(feeds, tags, "a prefill step")
+            if got is None:
+                checkpoints.clear()
+                continue
+            it = iter(got)
+            for tag, want in zip(tags, wants):
+                if want:
+                    self.rows[tag] = next(it)
+            for tag in checkpoints:
+                self._checkpoint(tag)
+            checkpoints.clear()
+        if ran >= LATENCY_STEP_UNIT:
+            sample = (ex.clock() - t0) / 1e9 / ran
+            spt = ex.prefill_secs_per_token
+            ex.prefill_secs_per_token = sample if spt is None else 0.7 * spt + 0.3 * sample
+
+    def _checkpoint(self, tag: int) -> None:
+        """On an exact_only runtime: a copy of a lane whose prompt of >= 128
+        tokens just ended, one token short (the held-back one), kept in the
+        cache for a resent prompt or the next turn. The memory check did not
+        count it, so it takes only cells and slots the rest of the tick
+        cannot need, and any later plan that needs them takes them back."""
+        ex = self.ex
+        lane = ex.lanes.get(tag)
+        if lane is None or len(lane.prompt) < CHECKPOINT_MIN_TOKENS:
+            return
+        n = lane.ingested
+        key = tuple(lane.committed[:n])
+        if ex.cache.find(key) is not None:
+            return
+        mem = self.rt.mem_counters()
+        if ex.desc.max_seqs and mem.seqs >= ex.desc.max_seqs:
+            return
+        if mem.cells_total:
+            promised = sum(max(0, ex.pages(after) - ex.pages(self.rt.seq_len(ex.lanes[t].seq)))
+                           for t, after in self.cells_after.items() if t in ex.lanes) * ex.page
+            if mem.cells_total - mem.cells_used - promised < ex.pages(n) * ex.page:
+                return
+        dst = None
+        try:
+            dst = self.rt.seq_create()
+            self.rt.seq_copy(lane.seq, dst, n)
+        except FatalError as e:
+            raise ex.fatal("a checkpoint", e) from e
+        except RuntimeFailure:
+            if dst is not None:
+                self.free(dst, "a failed checkpoint")
+            return
+        ex.cache.insert(dst, key, n, ex.entry_bytes(n), ex.tick_count, checkpoint=True)
