@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from superfluid.abi.records import LaneCommit, LaneEmit, RingRef, TickEvents, TickPlan
+from superfluid.abi.records import LaneCommit, LaneEmit, OpCompletion, PartialEmit, RingRef, TickEvents, TickPlan
 from superfluid.client.builder import PlanBuilder
 from superfluid.executor import Executor
 
@@ -25,6 +25,18 @@ class LocalClient:
         self._next_seq = 1
         self._lane_tags = itertools.count(1)
         self._describe: dict[str, Any] | None = None
+        self._op_ids = itertools.count(1)
+        self._partials: list[PartialEmit] = []
+        executor.partial_sink = lambda seq, tag, tok, idx: self._partials.append(PartialEmit(seq, tag, tok, idx))
+
+    def op(self, name: str, timeout: float | None = None, **fields: Any) -> OpCompletion:
+        """Run op `name` (SPEC §7) at once: no tick is running in between."""
+        return self.ex.op({"op": name, "op_id": next(self._op_ids), **fields})
+
+    def partial_emits(self) -> list[PartialEmit]:
+        """Tokens as they were sampled, for plans with PARTIAL_EMITS."""
+        out, self._partials = self._partials, []
+        return out
 
     def describe(self, timeout: float | None = None) -> dict[str, Any]:
         if self._describe is None:

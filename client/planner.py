@@ -41,6 +41,7 @@ from superfluid.abi import CacheClass, Finish, ParamFlag, Sampling, ShedKind, St
 from superfluid.abi.records import LaneCommit, LaneEmit, SamplingParams, TickEvents
 from superfluid.client.builder import PlanBuilder
 from superfluid.client.client import Client, ClientTimeout, WorkerRestarted
+from superfluid.client.seeding import SPI, Seed, SeedBook
 
 GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST
 
@@ -84,6 +85,8 @@ class Request:
     finish: str | None = None  # "eos", "length" (max_seq_len), "max_tokens", "unservable" (memory)
     finished_at: float | None = None
     admissions: int = 0  # > 1: re-admitted after a restart, a fault or a preemption
+    seed: Seed | None = None  # a lease for its next admission
+    no_seed: bool = False  # its lease went stale: admit it without one this time
 
     @property
     def done(self) -> bool:
@@ -130,6 +133,8 @@ class PlannerStats:
     faults: int = 0
     preemptions: int = 0
     restarts: int = 0  # WorkerRestarted seen (each followed by a reconnect)
+    seeded_tokens: int = 0  # prompt tokens admissions took from seed leases (cache hits)
+    leases: int = 0  # LEASE_SEED asked and granted
 
 
 @dataclasses.dataclass
@@ -150,6 +155,8 @@ class _Draft:
     decodes: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens granted
     commits: list[int] = dataclasses.field(default_factory=list)
     retires: list[int] = dataclasses.field(default_factory=list)
+    published: list[list[int]] = dataclasses.field(default_factory=list)  # tokens of publishing retires
+    seeded: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens its lease covers
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -173,11 +180,13 @@ class Planner:
     decode_grant: tokens a GPU-sampled lane may decode per tick (HOST: 1).
     max_lanes: lanes live at once (at most the runtime's max_batch).
     max_admits_per_tick: new lanes per tick (None: as the limits allow).
+    use_leases: lease the longest cached prefix for each admission whose
+        prompt may share pages with what this planner had published.
     """
 
     def __init__(self, client: Client, *, prefill_token_budget: int = 512, prefill_chunk: int | None = None,
                  decode_grant: int = 4, max_lanes: int | None = None, max_admits_per_tick: int | None = None,
-                 tick_timeout: float = 30.0, reconnect_timeout: float = 60.0,
+                 tick_timeout: float = 30.0, reconnect_timeout: float = 60.0, use_leases: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         if prefill_token_budget < 1 or decode_grant < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise ValueError("prefill_token_budget, prefill_chunk and decode_grant are at least 1")
@@ -193,6 +202,9 @@ class Planner:
         self.eos = frozenset(desc["eos"])
         max_batch = int(desc["runtime"]["max_batch"])
         self.max_lanes = min(max_lanes or max_batch, max_batch)
+        rt = desc["runtime"]
+        self.use_leases = use_leases
+        self.seeds = SeedBook(client, int(rt.get("page", 16)), bool(rt.get("exact_only", False)))
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.lanes: dict[int, Lane] = {}  # by tag, in admission order (prefill runs in this order)
@@ -263,6 +275,11 @@ class Planner:
             events = self.client.tick(draft.builder, timeout)
             if events.status == Status.OK:
                 return draft, events
+            if events.status == Status.RejectStaleSeed and draft.seeded:
+                # A lease ran out (or the worker let it go): admit those afresh.
+                for lane in draft.admits:
+                    lane.request.seed, lane.request.no_seed = None, True
+                continue
             if events.status != Status.NeedsReplan:
                 raise PlannerError(events)
             self.stats.replans += 1
@@ -305,8 +322,11 @@ class Planner:
     def _plan_retires(self, d: _Draft, publish: bool) -> None:
         for lane in self.lanes.values():
             if lane.retiring:
-                d.builder.retire(lane.tag, publish_to_cache=publish and lane.request.publish)
+                keep = publish and lane.request.publish
+                d.builder.retire(lane.tag, publish_to_cache=keep)
                 d.retires.append(lane.tag)
+                if keep:
+                    d.published.append(lane.request.prompt + lane.request.generated)
         for tag in sorted(self.retire_next):
             d.builder.retire(tag, publish_to_cache=False)
             d.retires.append(tag)
@@ -351,10 +371,20 @@ class Planner:
         never empty."""
         tag = self.client.new_lane_tag()
         sampled = len(req.generated)  # every generated token was drawn (engine or host) at base + index
-        ref = self.client.write_prompt(req.prompt + req.generated)
+        tokens = req.prompt + req.generated
+        if self.use_leases and req.seed is None and not req.no_seed:
+            req.seed = self.seeds.lease(tokens, self.tick_timeout)
+        seed = req.seed
+        value = seed.value if seed else 0
+        ref = self.client.write_prompt(tokens)
         d.builder.admit(tag, ref, sampling=req.sampling, params=req.params,
-                        rng_counter_base=(req.rng_base + sampled) & _U64, decode_replay=sampled)
-        lane = Lane(tag, req, prefill_end=len(req.prompt), replay_left=sampled)
+                        rng_counter_base=(req.rng_base + sampled) & _U64, decode_replay=sampled,
+                        seed_handle=seed.handle if seed else 0, determinism_class=SPI)
+        # A seed covers `value` tokens: prefill starts there, and so does decode's replay.
+        end = max(len(req.prompt), value)
+        lane = Lane(tag, req, prefill_end=end, replay_left=len(tokens) - end, prefilled=value)
+        if seed:
+            d.seeded[tag] = value
         d.admits.append(lane)
         return lane
 
@@ -408,8 +438,15 @@ class Planner:
         for lane in d.admits:
             assert self.waiting[0] is lane.request  # admits came off the front, in order
             self.waiting.popleft()
-            lane.request.admissions += 1
+            req = lane.request
+            req.admissions += 1
+            req.seed, req.no_seed = None, False  # a lease is spent by the admit that names it
+            self.stats.seeded_tokens += d.seeded.get(lane.tag, 0)
+            self.seeds.admitted(req.prompt + req.generated)
             self.lanes[lane.tag] = lane
+        for tokens in d.published:
+            self.seeds.published(tokens)
+        self.stats.leases = self.seeds.leases
         for tag in d.retires:
             self.lanes.pop(tag, None)
             self.retire_next.discard(tag)
@@ -499,6 +536,9 @@ class Planner:
         self.lanes.clear()
         self.retire_next.clear()
         self._evict, self._admit_cap = False, None  # a fresh worker: empty cache, free memory
+        self.seeds.forget()  # and no leases: nothing here may lean on them
+        for req in self.requests.values():
+            req.seed, req.no_seed = None, False
         self.waiting.extendleft(reversed(again))
 
     # ---------------------------------------------------------------- report

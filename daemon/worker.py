@@ -54,6 +54,12 @@ def _at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
+def _bytes_or_auto(s: str) -> int | str:
+    if s == "auto":
+        return s
+    return _at_least(0)(s)
+
+
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Options that size the runtime (shared with `superfluid serve`)."""
     p.add_argument("--model", help="checkpoint directory (config.json + safetensors); default: the embedded tiny model")
@@ -73,6 +79,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
                    help="weights and KV: fp32, or bf16 (half the bytes; activations stay float32 on a CPU); "
                         "default auto: fp32 on a CPU, the checkpoint's on a GPU")
+    p.add_argument("--cache-bytes", type=_bytes_or_auto, default="auto",
+                   help="bytes of the KV pool that published prefixes may keep (default auto: half the pool)")
+    p.add_argument("--host-cache-bytes", type=_at_least(0), default=1 << 30,
+                   help="host memory for prefixes evicted from the pool, 0 = none (default 1 GiB)")
+    p.add_argument("--max-leases", type=_at_least(1), default=1024, help="seed leases at once (default 1024)")
     p.add_argument("--threads", type=_at_least(0), default=0,
                    help="threads per worker (default: torch's choice), for the CPU kernels and torch. Keep "
                         "workers x threads at or under the free cores")
@@ -116,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"superfluid worker: cannot load the runtime: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_LOAD
     ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
-                  fault_injection=args.fault_injection)
+                  fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
+                  host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases)
     return Worker(seg, ex, epoch=args.epoch).run()
 
 
