@@ -14,6 +14,7 @@ BENCHES: tuple[str, ...] = (
     "superfluid.bench.engine",
     "superfluid.bench.tick",
     "superfluid.bench.e2e",
+    "superfluid.bench.prefix",
 )
 
 

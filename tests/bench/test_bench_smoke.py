@@ -185,3 +185,22 @@ def test_bench_e2e_keys(shm_dir, capsys):
     assert res["same_tokens_daemon_vs_inproc"] is True and res["same_tokens_every_run"] is True
     assert len(res["runs_tok_s"]["daemon"]) == 1  # the warm-up run is not counted
     assert not os.listdir(shm_dir)
+
+
+@pytest.mark.timeout(120)
+def test_bench_prefix_keys(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
+    assert main(["bench", "prefix", "--json", "--conversations", "2", "--turns", "2", "--system-tokens", "64",
+                 "--user-tokens", "16", "--answer-tokens", "4", "--ttft-prefix", "64", "--repeats", "1"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in ("ttft_ms_warm", "ttft_ms_cold", "warm_vs_cold", "tok_s_with_leases", "tok_s_without",
+                "hf_tok_s"):
+        assert res[key] > 0, key
+    # leased and prefilled runs give the same tokens; the leased one prefills only what is new
+    assert res["tokens_equal"] is True and res["ttft_tokens_equal"] is True
+    assert res["with_leases"]["leases"] == 4 and res["without"]["leases"] == 0
+    assert res["hit_tokens"] > 0
+    assert res["with_leases"]["prefilled_tokens"] + res["hit_tokens"] == res["without"]["prefilled_tokens"]
+    assert res["with_leases"]["tokens"] == res["without"]["tokens"] == 2 * 2 * 4
+    assert isinstance(res["meets_warm_vs_cold_20"], bool) and isinstance(res["meets_leases_3x"], bool)
+    assert 0 <= res["hf_greedy_agreement"] <= 1 and len(res["load"]["loadavg_after"]) == 3

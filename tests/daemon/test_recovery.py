@@ -144,3 +144,40 @@ def test_kill_minus_nine_and_recover_bitwise(daemon, baseline, trial):
     for r, g, w in zip(reqs, got, want):
         assert g == w, f"{phase} at tick {killer.at_tick}: a {Sampling(r['sampling']).name} lane diverged"
     assert d.snapshot()[0]["state"] in (WorkerState.READY.name, WorkerState.STARTING.name)
+
+
+def test_leases_die_with_the_worker_and_recovery_needs_none(daemon):
+    """Requests over a shared prefix are seeded from what the first one
+    published; the worker dies with their leases and its cache mid-decode;
+    the planner re-admits from scratch (no lease survives) and every token
+    equals the run without a kill."""
+    name, d = daemon
+    shared = [(7 * i + 3) % 256 for i in range(64)]
+    first = dict(prompt=shared + [1, 2], max_new_tokens=8, sampling=Sampling.GPU_GREEDY, params=SamplingParams(),
+                 rng_base=5)
+    rest = [dict(prompt=shared + [10 + i] * (i + 1), max_new_tokens=20, sampling=Sampling.GPU_SAMPLE,
+                 params=SamplingParams(temperature=0.9, top_k=50), rng_base=50 * i) for i in range(3)]
+
+    def run(kill: bool):
+        with Client.connect(name, 0, timeout=120) as c:
+            p = Planner(c, prefill_token_budget=256, decode_grant=3)
+            ids = submit_all(p, [first])
+            p.run_until_done(120)
+            ids += submit_all(p, rest)
+            killed = False
+            deadline = time.monotonic() + 300
+            while p.busy():
+                assert time.monotonic() < deadline
+                p.step(60)
+                if kill and not killed and p.stats.seeded_tokens and any(
+                        lane.request.generated for lane in p.lanes.values()):
+                    os.kill(d.worker_pid(0), signal.SIGKILL)
+                    killed = True
+            rep = p.report()
+            return [rep.results[i].tokens for i in ids], p.stats, killed
+
+    want, s0, _ = run(False)
+    assert s0.seeded_tokens >= 3 * 64 and s0.restarts == 0, s0
+    got, s1, killed = run(True)
+    assert killed and s1.restarts == 1
+    assert got == want
