@@ -315,11 +315,17 @@ def test_exact_only_checkpoint_seeds_the_resent_prompt():
 # ------------------------------------------------------------ the host tier
 
 
+def _pushed_to_host(**kw) -> Driver:
+    """PROMPT's entry (28 cells) evicted from a 48-cell pool by a second request."""
+    d = exe(cells_total=48, **kw)
+    d.serve(PROMPT)
+    d.serve([30 + i for i in range(20)], n=2, evict=True)
+    return d
+
+
 def test_evicted_entry_goes_to_host_memory_and_comes_back():
     want = plain_tokens(PROMPT + [40])
-    d = exe(cells_total=48)
-    d.serve(PROMPT)  # 24 cells kept
-    d.serve([30 + i for i in range(20)], n=2, evict=True)  # needs room: the entry goes to the host tier
+    d = _pushed_to_host()
     assert len(d.ex.cache) in (0, 1) and d.ex.cache.exported()
     assert d.ex.tick(d.plan().build()).events.mem.host_retained_bytes > 0
     h = d.lease(PROMPT + [40])
@@ -332,9 +338,7 @@ def test_evicted_entry_goes_to_host_memory_and_comes_back():
 
 def test_a_failed_import_is_state_lost_not_a_request_lost():
     want = plain_tokens(PROMPT + [40])
-    d = exe(cells_total=48)
-    d.serve(PROMPT)
-    d.serve([30 + i for i in range(20)], n=2, evict=True)
+    d = _pushed_to_host()
     h = d.lease(PROMPT + [40])
     d.ex.runtime.inject_capacity_fault(on="import")
     tag, r = d.admit(PROMPT + [40], seed=h.handle, value=20, evict=True)
@@ -346,9 +350,7 @@ def test_a_failed_import_is_state_lost_not_a_request_lost():
 
 
 def test_host_tier_off_drops_evicted_entries():
-    d = exe(cells_total=48, host_cache_bytes=0)
-    d.serve(PROMPT)
-    d.serve([30 + i for i in range(20)], n=2, evict=True)
+    d = _pushed_to_host(host_cache_bytes=0)
     assert not d.ex.cache.exported() and d.lease(PROMPT).status == int(OpStatus.NoMatch)
 
 

@@ -179,3 +179,36 @@ def test_planner_with_leases_gives_the_tokens_it_gives_without(model_dir):
     leased, s1 = chat(True)
     assert leased == plain
     assert s0.seeded_tokens == 0 and s1.seeded_tokens >= 3 * 2 * 32, s1
+
+
+@pytest.mark.parametrize("sampling", [0, SAMPLE])
+def test_takeover_seed_equals_plain(model_dir, sampling):
+    """The transformer shares blocks on copy, so it never asks for a
+    takeover; described as preferring them, the next turn takes the entry's
+    own sequence, cut back to the seed, and decodes what a plain run does."""
+    import dataclasses
+
+    from superfluid.abi import ShedReason
+
+    turn2 = SYSTEM + [5, 6, 7]
+    want = oracle(model_dir, turn2, sampling=sampling)
+    rt = runtime(model_dir)
+    rt.desc = dataclasses.replace(rt.desc, copy_shares_cells=False, takeover_preferred=True)
+    try:
+        r = Run(rt)
+        r.request(SYSTEM, sampling=sampling)
+        seed = r.lease(turn2)
+        (entry,) = list(r.ex.cache)
+        seq = entry.seq
+        r.tag += 1
+        b = r.plan().admit(r.tag, put(r.ex, turn2), sampling=sampling, rng_counter_base=77,
+                           params=sampling_params(temperature=0.8, top_k=40, ignore_eos=True),
+                           seed_handle=seed.handle, determinism_class=SPI)
+        res = r.ex.tick(b.prefill(r.tag, 32, len(turn2) - 32).decode(r.tag, 8).build())
+        assert res.ok, res.message
+        assert [e.reason for e in res.events.shed.entries] == [int(ShedReason.TAKEOVER)]
+        assert r.ex.lanes[r.tag].seq == seq and not list(r.ex.cache)  # the entry's own sequence
+        assert emitted(r.ex, emit_of(res, r.tag)) == want
+        check_invariants(r.ex)
+    finally:
+        rt.close()
