@@ -8,6 +8,7 @@ from superfluid.abi import Determinism, ParamFlag, Sampling, ShedReason
 from superfluid.abi.records import AdmitResult
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
 from superfluid.executor import sampling as hs
+from superfluid.executor.check import admitted_span
 from superfluid.executor.decode import lane_fault_code
 from superfluid.executor.lanes import Lane
 from superfluid.executor.seeds import SeedUse
@@ -19,8 +20,9 @@ _IGNORE_EOS = int(ParamFlag.IGNORE_EOS)
 def grant(asked: int, holds: int) -> int:
     """The class an admit is granted: what it asked, where what holds
     implies it; else what holds (SEED_PATH_INVARIANT implies DISTRIBUTION_EXACT)."""
-    implied = {int(Determinism.SEED_PATH_INVARIANT): {0, 1, 2}, int(Determinism.DISTRIBUTION_EXACT): {0, 2}}
-    return asked if asked in implied.get(holds, {0}) else holds
+    best, spi, dist = Determinism.BEST_EFFORT, Determinism.SEED_PATH_INVARIANT, Determinism.DISTRIBUTION_EXACT
+    implied = {spi: {best, spi, dist}, dist: {best, dist}}
+    return asked if asked in implied.get(holds, {best}) else holds
 
 
 class AdmitPhase:
@@ -54,7 +56,7 @@ class AdmitPhase:
             granted = grant(a.determinism_class, int(Determinism.SEED_PATH_INVARIANT))
             lane = Lane(
                 tag=a.lane_tag, seq=0, sampling=a.sampling, params=a.params, rng_base=a.rng_counter_base,
-                prompt=prompt, prefill_end=max(len(prompt) - a.decode_replay, use.n if use else 0), bias=bias,
+                prompt=prompt, prefill_end=admitted_span(a, prompt, use)[0], bias=bias,
                 logprobs_top=(a.want_logprobs - 1) if a.want_logprobs else None, granted_class=granted)
             lane.greedy = a.sampling == _GREEDY or a.params.temperature <= 0
             lane.ignore_eos = bool(a.params.flags & _IGNORE_EOS)

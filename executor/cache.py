@@ -126,6 +126,16 @@ class PrefixCache:
                         best = e
         return best
 
+    def page_prefixes(self, tokens) -> list[CacheEntry]:
+        """Entries whose whole key is a shorter whole-page prefix of tokens (one walk)."""
+        out = []
+        for depth, node in enumerate(self._walk(tokens, len(tokens) // self.page)):
+            for i in node.ends:
+                e = self.entries[i]
+                if 0 < len(e.tokens) == depth * self.page < len(tokens):
+                    out.append(e)
+        return out
+
     def find(self, tokens: tuple[int, ...]) -> CacheEntry | None:
         """An entry keyed exactly by tokens."""
         for e in self.containing(tokens):

@@ -152,11 +152,10 @@ class Tick(AdmitPhase, DecodePhase):
         if not ex.exact_only:
             # An entry the new one extends serves no lease the new one cannot: merge it
             # (on a runtime that shares cells, the two hold the same blocks anyway).
-            for n in range(ex.page, key_len, ex.page):
-                for e in ex.cache.containing(key[:n]):
-                    if len(e.tokens) == n and e.resident and e.pins == 0 and not e.bare:
-                        ex.cache.remove(e)
-                        self.free(e.seq, "merging a cache entry")
+            for e in ex.cache.page_prefixes(key):
+                if e.resident and e.pins == 0 and not e.bare:
+                    ex.cache.remove(e)
+                    self.free(e.seq, "merging a cache entry")
         ex.cache.insert(lane.seq, key, len(lane.prompt), ex.entry_bytes(key_len), ex.tick_count)
         return True
 
