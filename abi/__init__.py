@@ -61,6 +61,10 @@ OpStatus = _enum("OpStatus", "SF_OPST_")
 WorkerState = _enum("WorkerState", "SF_WORKER_")
 RuntimeFlag = _enum("RuntimeFlag", "SF_RT_", flag=True)
 WaitResult = _enum("WaitResult", "SF_WAIT_", exclude=("SLICE_NS",))
+QueueKind = _enum("QueueKind", "SF_QUEUE_")
+Connect = _enum("Connect", "SF_CONNECT_")
+PLAN_SEQ_MAX: int = lib.SF_PLAN_SEQ_MAX
+ECHO_BYTES: int = lib.SF_ECHO_BYTES
 
 PLAN_FLAGS_ALL: int = lib.SF_PLAN_FLAGS_ALL
 PARAM_FLAGS_ALL: int = lib.SF_PARAM_FLAGS_ALL

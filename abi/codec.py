@@ -1,6 +1,6 @@
 """Records to slot bytes and back: MsgHeader, the record, then its arena.
 
-A slot holds `MsgHeader {kind, record_bytes, arena_bytes}`, the top-level
+A slot holds `MsgHeader {kind, record_bytes, arena_bytes, session}`, the top-level
 record right after it, and the arena from the next 8-byte boundary. Spans
 inside the record (and inside arena records) are `{offset, count}` into the
 arena. Decoding trusts nothing: sizes, kinds and every span are checked and a
@@ -18,10 +18,13 @@ import struct
 from itertools import chain
 from typing import Any, Callable
 
-from superfluid.abi import ARENA_ALIGN, Status, ffi
+from superfluid.abi import ABI_VERSION, ARENA_ALIGN, Status, ffi
 from superfluid.abi.records import CLASSES, LAYOUTS, TOP_LEVEL, is_hidden
 
-_HDR = struct.Struct("<IIQ")
+_HDR = struct.Struct("<IIQQ")
+_HDR3 = struct.Struct("<IIQ")  # the header less its session
+_SESSION = struct.Struct("<Q")
+_SESSION_AT = _HDR3.size
 MSG_HEADER_BYTES = _HDR.size
 assert MSG_HEADER_BYTES == ffi.sizeof("MsgHeader")
 
@@ -108,7 +111,7 @@ class RecordCodec:
         self.has_struct_size = LAYOUTS[name][0].name == "struct_size"
         pad = arena_offset(self.size) - MSG_HEADER_BYTES - self.size
         # The message: header, record and the padding up to the arena, in one pack.
-        self.message = struct.Struct("<IIQ" + body + (f"{pad}x" if pad else ""))
+        self.message = struct.Struct("<IIQQ" + body + (f"{pad}x" if pad else ""))
         self._many: dict[int, struct.Struct] = {}
         self.unflatten: Callable[[tuple, memoryview, str], Any]
         self.flatten: Callable[[Any, bytearray, str], tuple]
@@ -291,9 +294,9 @@ def _flatten(c: RecordCodec, record: Any) -> tuple[tuple, bytearray]:
         raise _diagnose(c, record, e) from None
 
 
-def encode_into(buf, name: str, record: Any, kind: int | None = None) -> int:
+def encode_into(buf, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
     """Write `record` (struct `name`) with its arena into the writable buffer
-    `buf`, from offset 0. Returns the bytes written."""
+    `buf`, from offset 0, stamped with `session`. Returns the bytes written."""
     c = CODECS[name]
     flat, arena = _flatten(c, record)
     start = c.message.size
@@ -301,7 +304,7 @@ def encode_into(buf, name: str, record: Any, kind: int | None = None) -> int:
     if total > len(buf):
         raise EncodeError(f"{name}: message needs {total} bytes, the slot has {len(buf)}")
     try:
-        c.message.pack_into(buf, 0, TOP_LEVEL[name] if kind is None else kind, c.size, len(arena), *flat)
+        c.message.pack_into(buf, 0, TOP_LEVEL[name] if kind is None else kind, c.size, len(arena), session, *flat)
     except (struct.error, OverflowError) as e:
         raise _diagnose(c, record, e) from None
     if arena:
@@ -309,12 +312,12 @@ def encode_into(buf, name: str, record: Any, kind: int | None = None) -> int:
     return total
 
 
-def encode(name: str, record: Any, kind: int | None = None) -> bytes:
+def encode(name: str, record: Any, kind: int | None = None, session: int = 0) -> bytes:
     """`record` as the bytes of a slot message."""
     c = CODECS[name]
     flat, arena = _flatten(c, record)
     try:
-        head = c.message.pack(TOP_LEVEL[name] if kind is None else kind, c.size, len(arena), *flat)
+        head = c.message.pack(TOP_LEVEL[name] if kind is None else kind, c.size, len(arena), session, *flat)
     except (struct.error, OverflowError) as e:
         raise _diagnose(c, record, e) from None
     return head + arena
@@ -347,7 +350,19 @@ def read_header(buf) -> tuple[int, int, int]:
     """(kind, record_bytes, arena_bytes) of a slot message."""
     if len(buf) < MSG_HEADER_BYTES:
         raise _bounds("MsgHeader", f"{len(buf)} bytes, shorter than a message header")
-    return _HDR.unpack_from(buf, 0)
+    return _HDR3.unpack_from(buf, 0)
+
+
+def session_of(buf) -> int:
+    """MsgHeader.session of a slot message (0 when the slot is too short)."""
+    if len(buf) < MSG_HEADER_BYTES:
+        return 0
+    return _SESSION.unpack_from(buf, _SESSION_AT)[0]
+
+
+def set_session(buf, session: int) -> None:
+    """Stamp MsgHeader.session of a message already in `buf`."""
+    _SESSION.pack_into(buf, _SESSION_AT, session)
 
 
 def decode(buf, name: str, kind: int | None = None) -> Any:
@@ -361,7 +376,7 @@ def decode(buf, name: str, kind: int | None = None) -> Any:
     if got_kind != want_kind:
         raise _bounds("MsgHeader.kind", f"message kind {got_kind}, expected {want_kind}")
     if record_bytes != c.size:
-        raise _bounds("MsgHeader.record_bytes", f"{record_bytes}, but {name} is {c.size} bytes in ABI v1")
+        raise _bounds("MsgHeader.record_bytes", f"{record_bytes}, but {name} is {c.size} bytes in ABI v{ABI_VERSION}")
     start = c.message.size
     if len(mv) < start:
         raise _bounds(name, f"message of {len(mv)} bytes is shorter than {name}")
@@ -369,17 +384,17 @@ def decode(buf, name: str, kind: int | None = None) -> Any:
         raise _bounds("MsgHeader.arena_bytes", f"{arena_bytes} bytes overrun the slot ({len(mv) - start} left)")
     t = c.struct.unpack_from(mv, MSG_HEADER_BYTES)
     if c.has_struct_size and t[0] != c.size:
-        raise _bounds(f"{name}.struct_size", f"{t[0]}, but {name} is {c.size} bytes in ABI v1")
+        raise _bounds(f"{name}.struct_size", f"{t[0]}, but {name} is {c.size} bytes in ABI v{ABI_VERSION}")
     return c.unflatten(t, mv[start:start + arena_bytes], name)
 
 
-def write_raw(buf, kind: int, payload: bytes) -> int:
-    """A message with no record: MsgHeader {kind, 0, len(payload)} + payload
-    (the arena starts right after the header)."""
+def write_raw(buf, kind: int, payload: bytes, session: int = 0) -> int:
+    """A message with no record: MsgHeader {kind, 0, len(payload), session} +
+    payload (the arena starts right after the header)."""
     total = MSG_HEADER_BYTES + len(payload)
     if total > len(buf):
         raise EncodeError(f"raw message needs {total} bytes, the slot has {len(buf)}")
-    _HDR.pack_into(buf, 0, kind, 0, len(payload))
+    _HDR.pack_into(buf, 0, kind, 0, len(payload), session)
     buf[MSG_HEADER_BYTES:total] = payload
     return total
 

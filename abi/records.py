@@ -35,7 +35,7 @@ RECORD_NAMES = (
     "RingRef", "Span", "MsgHeader", "SamplingParams", "LaneAdmit", "LanePrefill", "LaneDecode",
     "LaneCommit", "LaneRetire", "TickPlan", "AdmitResult", "SpecStats", "LaneEmit", "LaneFault",
     "ShedEntry", "ShedReport", "OpCompletion", "TickTimings", "TickMemCounters", "LaneLogprob",
-    "TickEvents", "OpEvents", "PartialEmit", "WorkerNotice", "RuntimeDesc",
+    "TickEvents", "OpEvents", "QueueReset", "PartialEmit", "WorkerNotice", "RuntimeDesc",
 )
 
 # Top-level records: the message kind that carries each one.
@@ -45,6 +45,7 @@ TOP_LEVEL = {
     "OpEvents": lib.SF_MSG_OP_EVENTS,
     "PartialEmit": lib.SF_MSG_PARTIAL,
     "WorkerNotice": lib.SF_MSG_WORKER,
+    "QueueReset": lib.SF_MSG_RESET,
 }
 
 
@@ -141,6 +142,7 @@ TickMemCounters = CLASSES["TickMemCounters"]
 LaneLogprob = CLASSES["LaneLogprob"]
 TickEvents = CLASSES["TickEvents"]
 OpEvents = CLASSES["OpEvents"]
+QueueReset = CLASSES["QueueReset"]
 PartialEmit = CLASSES["PartialEmit"]
 WorkerNotice = CLASSES["WorkerNotice"]
 RuntimeDesc = CLASSES["RuntimeDesc"]

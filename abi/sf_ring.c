@@ -15,7 +15,9 @@
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -87,10 +89,100 @@ static int peer_check(const SegmentHeader *seg, uint64_t epoch, int watch_stop) 
     return SF_WAIT_READY;
 }
 
+/* -------------------------------------------------------------- sessions */
+
+int sf_segment_check(const SegmentHeader *seg, uint64_t mapped_bytes) {
+    if (mapped_bytes < sizeof(SegmentHeader))
+        return SF_CONNECT_SHORT;
+    if (__atomic_load_n(&seg->magic, ACQUIRE) != SF_MAGIC)
+        return SF_CONNECT_MAGIC;
+    if (seg->abi_version != SF_ABI_VERSION || seg->header_bytes != sizeof(SegmentHeader))
+        return SF_CONNECT_ABI;
+    if (seg->segment_bytes != mapped_bytes)
+        return SF_CONNECT_SIZE;
+    if (seg->owner_uid != (uint32_t)geteuid())
+        return SF_CONNECT_OWNER;
+    return SF_CONNECT_OK;
+}
+
+int sf_session_lock(int fd) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+        return 0;
+    return errno == EWOULDBLOCK ? -EWOULDBLOCK : -errno;
+}
+
+int sf_session_unlock(int fd) { return flock(fd, LOCK_UN) == 0 ? 0 : -errno; }
+
+/* A process that is not there, or a zombie (dead, not yet reaped). */
+static int pid_gone(uint32_t pid) {
+    if (pid == 0)
+        return 0;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+        return 1;
+    char path[32], buf[512];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return 0; /* no /proc: kill() alone */
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *close = strrchr(buf, ')');
+    return close != NULL && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
+int sf_wait_ready(const SegmentHeader *seg, uint64_t after_epoch, int64_t timeout_ns, uint64_t *epoch) {
+    uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : sf_monotonic_ns() + (uint64_t)timeout_ns;
+    uint32_t *word = (uint32_t *)&seg->worker_state;
+    for (;;) {
+        uint32_t state = __atomic_load_n(word, ACQUIRE);
+        uint64_t e = __atomic_load_n(&seg->worker_epoch, ACQUIRE);
+        if (state == SF_WORKER_GAVE_UP || state == SF_WORKER_STOPPED)
+            return SF_WAIT_GONE;
+        if (pid_gone(__atomic_load_n(&seg->daemon_pid, ACQUIRE)))
+            return SF_WAIT_GONE;
+        if (state == SF_WORKER_READY && e > after_epoch &&
+            !pid_gone(__atomic_load_n(&seg->worker_pid, ACQUIRE))) {
+            *epoch = e;
+            return SF_WAIT_READY;
+        }
+        uint64_t now = sf_monotonic_ns();
+        if (now >= deadline)
+            return SF_WAIT_TIMEOUT;
+        /* In slices: a daemon that died cannot wake us. */
+        uint64_t slice = deadline - now;
+        if (slice > SF_WAIT_SLICE_NS)
+            slice = SF_WAIT_SLICE_NS;
+        sf_futex_wait(word, state, (int64_t)slice);
+    }
+}
+
+uint64_t sf_session_begin(SegmentHeader *seg) {
+    uint64_t id;
+    do
+        id = __atomic_add_fetch(&seg->session_id, 1, SEQ_CST);
+    while (id == 0);
+    return id;
+}
+
+void sf_set_worker_state(SegmentHeader *seg, uint32_t state) {
+    __atomic_store_n(&seg->state_changed_ns, sf_monotonic_ns(), RELAXED);
+    __atomic_store_n(&seg->worker_state, state, SEQ_CST);
+    sf_futex_wake(&seg->worker_state, INT_MAX);
+}
+
 /* ---------------------------------------------------------------- queues */
 
 uint64_t sf_queue_bytes(uint32_t n_slots, uint32_t slot_bytes) {
     return (uint64_t)sizeof(Queue) + (uint64_t)n_slots * slot_bytes;
+}
+
+static int geometry_ok(uint32_t n, uint32_t sb, uint64_t bytes) {
+    if (bytes < sizeof(Queue))
+        return 0;
+    if (n == 0 || (n & (n - 1)) != 0 || sb < sizeof(MsgHeader) || sb % SF_CACHE_LINE != 0)
+        return 0;
+    return sf_queue_bytes(n, sb) <= bytes;
 }
 
 void sf_queue_init(void *queue, uint32_t n_slots, uint32_t slot_bytes) {
@@ -105,15 +197,41 @@ int sf_queue_attach(QueueView *v, void *queue, uint64_t bytes) {
     if (bytes < sizeof(Queue))
         return -1;
     uint32_t n = q->n_slots, sb = q->slot_bytes;
-    if (n == 0 || (n & (n - 1)) != 0 || sb < sizeof(MsgHeader) || sb % SF_CACHE_LINE != 0)
-        return -1;
-    if (sf_queue_bytes(n, sb) > bytes)
+    if (!geometry_ok(n, sb, bytes))
         return -1;
     v->q = q;
     v->slots = (uint8_t *)queue + sizeof(Queue);
     v->n_slots = n;
     v->slot_bytes = sb;
     return 0;
+}
+
+int sf_queue_attach_as(QueueView *v, void *queue, uint64_t bytes, uint32_t n_slots, uint32_t slot_bytes) {
+    Queue *q = (Queue *)queue;
+    if (!geometry_ok(n_slots, slot_bytes, bytes))
+        return -1;
+    if (q->n_slots != n_slots)
+        q->n_slots = n_slots;
+    if (q->slot_bytes != slot_bytes)
+        q->slot_bytes = slot_bytes;
+    v->q = q;
+    v->slots = (uint8_t *)queue + sizeof(Queue);
+    v->n_slots = n_slots;
+    v->slot_bytes = slot_bytes;
+    return 0;
+}
+
+int sf_queue_sane(const QueueView *v) {
+    uint64_t tail = __atomic_load_n(&v->q->tail, ACQUIRE);
+    uint64_t head = __atomic_load_n(&v->q->head, ACQUIRE);
+    return head - tail <= v->n_slots;
+}
+
+uint64_t sf_queue_reset(QueueView *v) {
+    uint64_t head = __atomic_load_n(&v->q->head, ACQUIRE);
+    __atomic_store_n(&v->q->tail, head, SEQ_CST);
+    sf_queue_wake_all(v);
+    return head;
 }
 
 static inline uint8_t *slot_at(const QueueView *v, uint64_t i) {
@@ -276,6 +394,26 @@ int sf_ring_attach(RingView *v, void *ring, uint64_t bytes) {
     v->data = (uint8_t *)ring + sizeof(DataRing);
     v->capacity = cap;
     v->ring_id = r->ring_id;
+    v->elem_bytes = ELEM_BYTES;
+    return 0;
+}
+
+int sf_ring_attach_as(RingView *v, void *ring, uint64_t bytes, uint32_t ring_id, uint64_t capacity) {
+    DataRing *r = (DataRing *)ring;
+    if (bytes < sizeof(DataRing) || capacity == 0 || ring_id == SF_RING_NONE)
+        return -1;
+    if (capacity > (bytes - sizeof(DataRing)) / ELEM_BYTES)
+        return -1;
+    if (r->ring_id != ring_id)
+        r->ring_id = ring_id;
+    if (r->elem_bytes != ELEM_BYTES)
+        r->elem_bytes = ELEM_BYTES;
+    if (r->capacity != capacity)
+        r->capacity = capacity;
+    v->r = r;
+    v->data = (uint8_t *)ring + sizeof(DataRing);
+    v->capacity = capacity;
+    v->ring_id = ring_id;
     v->elem_bytes = ELEM_BYTES;
     return 0;
 }

@@ -27,7 +27,10 @@ extern "C" {
 
 /* ---------------------------------------------------------------- versions */
 
-#define SF_ABI_VERSION 1
+/* 2: MsgHeader.session, SegmentHeader.session_id, the connect functions,
+ * StaleSession, QueueReset, LIST_LANES / RETIRE_LANES. A v1 planner reads
+ * abi_version 2 at connect and refuses the segment. */
+#define SF_ABI_VERSION 2
 /* "SFLUIDV1" read as a little-endian u64: the first 8 bytes of a segment. */
 #define SF_MAGIC 0x31564449554c4653
 #define SF_CACHE_LINE 64
@@ -36,6 +39,10 @@ extern "C" {
 #define SF_ARENA_ALIGN 8
 #define SF_RUNTIME_ID_BYTES 32
 #define SF_NAME_BYTES 32
+/* TickPlan.plan_seq lies in [0, SF_PLAN_SEQ_MAX]; a larger one is RejectBounds. */
+#define SF_PLAN_SEQ_MAX 0x7fffffffffffffff
+/* An error message quotes at most this many bytes of what it answers. */
+#define SF_ECHO_BYTES 64
 
 /* ------------------------------------------------- plan status (SPEC §3) */
 /* TickEvents.status: the verdict on a whole plan. Anything but OK means the
@@ -51,6 +58,7 @@ extern "C" {
 #define SF_STATUS_RejectBadRefGeneration 8
 #define SF_STATUS_NeedsReplan 9
 #define SF_STATUS_Fatal 10
+#define SF_STATUS_StaleSession 11  /* the plan is an earlier session's: not run */
 
 /* ----------------------------------------- tick status of an applied plan */
 #define SF_TICK_OK 0
@@ -121,6 +129,7 @@ extern "C" {
 #define SF_MSG_OP_EVENTS 4 /* OpEvents + arena, event queue (ops done between ticks) */
 #define SF_MSG_PARTIAL 5  /* PartialEmit, stream queue */
 #define SF_MSG_WORKER 6   /* WorkerNotice, event queue (daemon: restart, give-up) */
+#define SF_MSG_RESET 7    /* QueueReset, event queue (worker: a corrupted queue was reset) */
 
 /* ----------------------------------------------------- op kinds (SPEC §7) */
 #define SF_OP_DESCRIBE 1
@@ -135,6 +144,8 @@ extern "C" {
 #define SF_OP_IMPORT_STATE 10
 #define SF_OP_INJECT_FAULT 11
 #define SF_OP_CACHE_CLEAR 12
+#define SF_OP_LIST_LANES 13
+#define SF_OP_RETIRE_LANES 14
 
 /* --------------------------------------------------- OpCompletion.status */
 #define SF_OPST_OK 0
@@ -145,6 +156,13 @@ extern "C" {
 #define SF_OPST_Unsupported 5    /* the runtime cannot do it */
 #define SF_OPST_NoMatch 6        /* e.g. LEASE_SEED found no usable prefix */
 #define SF_OPST_Capacity 7
+#define SF_OPST_StaleSession 8   /* the op is an earlier session's: not run */
+
+/* ------------------------------------------------------ QueueReset.queue */
+#define SF_QUEUE_PLAN 1
+#define SF_QUEUE_EVENT 2
+#define SF_QUEUE_OP 3
+#define SF_QUEUE_STREAM 4
 
 /* ---------------------------------------------- SegmentHeader.worker_state */
 #define SF_WORKER_EMPTY 0     /* segment made, no worker yet */
@@ -168,7 +186,7 @@ extern "C" {
 #define SF_WAIT_READY 0     /* the queue has what was waited for */
 #define SF_WAIT_TIMEOUT 1   /* the timeout passed */
 #define SF_WAIT_GONE 2      /* the worker epoch changed or the worker is down */
-#define SF_WAIT_STOP 3      /* the daemon asked this segment to stop */
+#define SF_WAIT_STOP 3      /* the daemon is shutting down (SegmentHeader.stop_requested) */
 /* Longest single futex sleep, so a waiter sees a dead peer within it. */
 #define SF_WAIT_SLICE_NS 20000000
 
@@ -194,6 +212,7 @@ typedef struct MsgHeader {
     uint32_t kind;          /* SF_MSG_*; producer sets */
     uint32_t record_bytes;  /* bytes of the record (its struct_size); 0 for SF_MSG_OP */
     uint64_t arena_bytes;   /* bytes of the arena (the msgpack body for SF_MSG_OP) */
+    uint64_t session;       /* plans, ops: the sender's session; replies: the session answered; 0 = any */
 } MsgHeader;
 
 /* SPEC §5 parameters of a lane; planner sets, fixed for the lane's life. */
@@ -261,7 +280,7 @@ typedef void (*sf_partial_emit_fn)(void *user, uint64_t lane_tag, const uint32_t
 /* One tick's plan. Planner writes it into a plan-queue slot (SF_MSG_PLAN). */
 typedef struct TickPlan {
     uint64_t struct_size;              /* sizeof(TickPlan) */
-    uint64_t plan_seq;                 /* strictly greater than the last accepted */
+    uint64_t plan_seq;                 /* <= SF_PLAN_SEQ_MAX; above the session's last accepted */
     uint32_t flags;                    /* SF_PLAN_* */
     uint32_t max_decode_lanes;         /* <= max_batch; decodes <= this */
     uint32_t prefill_token_budget;     /* prompt tokens this tick may prefill */
@@ -391,6 +410,18 @@ typedef struct OpEvents {
     Span op_completions;    /* OpCompletion[] */
 } OpEvents;
 
+/* The worker found a queue's counters impossible (head - tail > n_slots, or
+ * tail past head) and reset it (tail = head): what it found and dropped. */
+typedef struct QueueReset {
+    uint64_t struct_size;   /* sizeof(QueueReset) */
+    uint64_t worker_epoch;  /* the worker that reset it */
+    uint32_t queue;         /* SF_QUEUE_* */
+    uint32_t _pad0;
+    uint64_t head;          /* the counters found */
+    uint64_t tail;          /* the counters found */
+    uint64_t reset_to;      /* both counters now */
+} QueueReset;
+
 /* A token as it is sampled (SF_MSG_PARTIAL, stream queue). */
 typedef struct PartialEmit {
     uint64_t plan_seq;  /* the tick it belongs to */
@@ -472,7 +503,11 @@ typedef struct WorkerCounters {
     uint32_t last_fault_code;  /* SF_FAULT_*, 0 = none yet */
     uint32_t _pad0;
     uint64_t heartbeat_ns;     /* CLOCK_MONOTONIC of the worker's last loop */
-    uint64_t _reserved[6];
+    uint64_t blocked_since_ns;  /* CLOCK_MONOTONIC since the worker waits for event-queue room; 0 = not */
+    uint64_t session_id;     /* the session the worker serves (its last plan's) */
+    uint64_t stale_messages;  /* plans and ops of earlier sessions answered stale */
+    uint64_t queue_resets;   /* corrupted queues reset */
+    uint64_t _reserved[2];
 } WorkerCounters;
 
 /* The first bytes of every segment. */
@@ -485,9 +520,11 @@ typedef struct SegmentHeader {
     uint32_t owner_uid;       /* the daemon's uid; the file is mode 0600 */
     uint32_t worker_index;  /* which of the daemon's workers */
     char name[SF_NAME_BYTES];  /* daemon name, NUL-padded */
-    /* line 1: worker life; the daemon writes epoch and state, the worker its pid and state */
+    /* line 1: worker life, a report to the planner: the daemon writes epoch and state
+     * while no worker runs, the running worker rewrites them (a planner's writes here
+     * mislead only itself) */
     uint64_t worker_epoch;    /* bumped by the daemon on every (re)start */
-    uint32_t worker_state;    /* SF_WORKER_* */
+    uint32_t worker_state;    /* SF_WORKER_*; a futex word: woken on every change */
     uint32_t worker_pid;  /* worker writes at start */
     uint32_t daemon_pid;  /* daemon writes at creation */
     uint32_t restarts;  /* daemon counts worker restarts */
@@ -501,9 +538,10 @@ typedef struct SegmentHeader {
     /* line 3: planner -> executor, latency-sensitive requests are waiting */
     uint32_t latency_wanted;  /* 1 = keep prefill steps short */
     uint8_t _pad3[SF_CACHE_LINE - 4];
-    /* line 4: daemon -> everyone; also a futex word */
-    uint32_t stop_requested;  /* 1 = drain and exit */
-    uint8_t _pad4[SF_CACHE_LINE - 4];
+    /* line 4: sessions, and the daemon's report that it is shutting down */
+    uint64_t session_id;      /* the connected planner's session: sf_session_begin bumps it */
+    uint32_t stop_requested;  /* daemon: 1 = shutting down (a report; workers take commands over a pipe) */
+    uint8_t _pad4[SF_CACHE_LINE - 12];
     /* line 5: the worker writes it when ready */
     RuntimeDesc runtime;       /* worker writes when ready */
     /* line 6 */
@@ -511,6 +549,47 @@ typedef struct SegmentHeader {
     /* lines 7-8 */
     WorkerCounters counters;   /* worker keeps current */
 } SegmentHeader;
+
+/* =========================================================== sessions
+ *
+ * How a planner (any language) connects to a worker, SPEC §10:
+ *
+ * 1. Find it: the segment of worker I of daemon NAME is the file
+ *    $SUPERFLUID_SHM_DIR/superfluid.NAME.I (default directory /dev/shm),
+ *    mode 0600, owned by the daemon's user. Open it O_RDWR (refuse a symlink:
+ *    O_NOFOLLOW), fstat it, map all of it MAP_SHARED.
+ * 2. Check it: sf_segment_check(). SF_CONNECT_ABI means the segment speaks
+ *    another SF_ABI_VERSION: refuse it, never guess at its layout.
+ * 3. Take it: sf_session_lock(fd), an exclusive non-blocking flock on the
+ *    file, held for as long as the planner drives the worker. The kernel
+ *    drops it when the process dies. -EWOULDBLOCK: another planner has it.
+ * 4. Wait for READY: sf_wait_ready() sleeps on the worker_state futex (the
+ *    daemon and the worker wake it on every change) and returns the epoch.
+ * 5. Start a session: sf_session_begin() bumps SegmentHeader.session_id and
+ *    returns it. Stamp it in MsgHeader.session of every plan and op. The
+ *    worker runs only messages of the header's session: a plan an earlier
+ *    session left queued is answered StaleSession (its own session in the
+ *    reply) without running, an op OpStatus StaleSession; a reply whose
+ *    session is not yours (nor 0) is an earlier session's: drop it. plan_seq
+ *    starts afresh in every session: the first plan may carry any value up
+ *    to SF_PLAN_SEQ_MAX, the next ones must grow.
+ * 6. Lanes an earlier session left are still live: op LIST_LANES shows them
+ *    (with the session that admitted each), RETIRE_LANES ends them.
+ * 7. Watch the epoch: when worker_epoch changes, the worker restarted (its
+ *    lanes are gone); wait for READY again and keep the session (SPEC §9).
+ *
+ * The header is the worker's report: worker_epoch, worker_state, the
+ * counters. A planner writes only yield_requested, latency_wanted,
+ * session_id (through sf_session_begin) and its side of the queues.
+ */
+
+/* sf_segment_check results. */
+#define SF_CONNECT_OK 0
+#define SF_CONNECT_SHORT 1   /* smaller than a SegmentHeader */
+#define SF_CONNECT_MAGIC 2   /* not a superfluid segment */
+#define SF_CONNECT_ABI 3     /* another SF_ABI_VERSION (or header size) */
+#define SF_CONNECT_SIZE 4    /* segment_bytes is not the mapping's size */
+#define SF_CONNECT_OWNER 5   /* made by another user */
 
 /* =========================================================== sf_ring.c */
 
@@ -521,6 +600,20 @@ uint32_t sf_load_acquire_u32(const uint32_t *p);
 void sf_store_release_u32(uint32_t *p, uint32_t v);
 uint64_t sf_fetch_add_u64(uint64_t *p, uint64_t v);
 uint64_t sf_monotonic_ns(void);
+
+/* Connect (see "sessions" above). check: SF_CONNECT_*. lock: 0, -EWOULDBLOCK
+ * when another process holds it, else -errno; unlock: 0 or -errno.
+ * wait_ready: SF_WAIT_READY with *epoch set once the worker is READY with an
+ * epoch above `after_epoch` (0: any), SF_WAIT_TIMEOUT, or SF_WAIT_GONE when
+ * the daemon gave up on the worker, stopped it, or is dead (daemon_pid).
+ * timeout_ns < 0 = no deadline. session_begin: the new session id (never 0).
+ * set_worker_state: store, stamp state_changed_ns, wake every waiter. */
+int sf_segment_check(const SegmentHeader *seg, uint64_t mapped_bytes);
+int sf_session_lock(int fd);
+int sf_session_unlock(int fd);
+int sf_wait_ready(const SegmentHeader *seg, uint64_t after_epoch, int64_t timeout_ns, uint64_t *epoch);
+uint64_t sf_session_begin(SegmentHeader *seg);
+void sf_set_worker_state(SegmentHeader *seg, uint32_t state);
 
 /* Futex on a shared (not process-private) word. wait: 0 woken or value
  * differed, 1 timed out, -errno on error. timeout_ns < 0 = no timeout.
@@ -549,11 +642,19 @@ typedef struct RingView {
 
 /* Queues. init writes a fresh header (the creator only); attach checks that
  * the header's geometry fits `bytes` of mapping: 0, or -1 when it does not.
+ * attach_as takes the geometry from the caller (the worker, told it by the
+ * daemon) and writes it back over whatever the header says.
+ * sane: 1 when head - tail <= n_slots (a tail past its head is not);
+ * reset: tail := head (the queue is empty), wakes both sides, returns the
+ * value both counters now hold.
  * reserve/peek return NULL when full/empty; publish/release move the
  * counters by one slot and wake a sleeping peer: 0, or -1 (nothing moved)
  * when the queue is full/empty, i.e. nothing was reserved/peeked. */
 void sf_queue_init(void *queue, uint32_t n_slots, uint32_t slot_bytes);
 int sf_queue_attach(QueueView *v, void *queue, uint64_t bytes);
+int sf_queue_attach_as(QueueView *v, void *queue, uint64_t bytes, uint32_t n_slots, uint32_t slot_bytes);
+int sf_queue_sane(const QueueView *v);
+uint64_t sf_queue_reset(QueueView *v);
 uint64_t sf_queue_bytes(uint32_t n_slots, uint32_t slot_bytes);
 uint8_t *sf_queue_try_reserve(QueueView *v);
 int sf_queue_publish(QueueView *v);
@@ -591,6 +692,8 @@ int64_t sf_queue_wait_peek(QueueView *v, const SegmentHeader *seg, uint64_t epoc
  * end starts the next generation at offset 0. */
 void sf_ring_init(void *ring, uint32_t ring_id, uint64_t capacity);
 int sf_ring_attach(RingView *v, void *ring, uint64_t bytes);
+/* As sf_queue_attach_as: the caller's ring id and capacity, written back. */
+int sf_ring_attach_as(RingView *v, void *ring, uint64_t bytes, uint32_t ring_id, uint64_t capacity);
 uint64_t sf_ring_bytes(uint64_t capacity);
 uint32_t sf_ring_write(RingView *v, const void *src, uint64_t n, RingRef *out);
 uint32_t sf_ring_check(const RingView *v, const RingRef *ref);
@@ -610,7 +713,7 @@ void sf_ring_commit(RingView *v);
 
 SF_STATIC_ASSERT(sizeof(RingRef) == 24, "RingRef size");
 SF_STATIC_ASSERT(sizeof(Span) == 8, "Span size");
-SF_STATIC_ASSERT(sizeof(MsgHeader) == 16, "MsgHeader size");
+SF_STATIC_ASSERT(sizeof(MsgHeader) == 24, "MsgHeader size");
 SF_STATIC_ASSERT(sizeof(SamplingParams) == 32, "SamplingParams size");
 SF_STATIC_ASSERT(sizeof(LaneAdmit) == 120, "LaneAdmit size");
 SF_STATIC_ASSERT(offsetof(LaneAdmit, prompt) == 8, "LaneAdmit.prompt");
@@ -651,6 +754,7 @@ SF_STATIC_ASSERT(offsetof(TickEvents, timings) == 96, "TickEvents.timings");
 SF_STATIC_ASSERT(offsetof(TickEvents, mem) == 128, "TickEvents.mem");
 SF_STATIC_ASSERT(offsetof(TickEvents, worker_epoch) == 176, "TickEvents.worker_epoch");
 SF_STATIC_ASSERT(sizeof(OpEvents) == 24, "OpEvents size");
+SF_STATIC_ASSERT(sizeof(QueueReset) == 48, "QueueReset size");
 SF_STATIC_ASSERT(sizeof(PartialEmit) == 24, "PartialEmit size");
 SF_STATIC_ASSERT(sizeof(WorkerNotice) == 32, "WorkerNotice size");
 SF_STATIC_ASSERT(sizeof(RuntimeDesc) == 64, "RuntimeDesc size");
@@ -662,7 +766,7 @@ SF_STATIC_ASSERT(sizeof(WorkerCounters) == 128, "WorkerCounters size");
 SF_STATIC_ASSERT(offsetof(SegmentHeader, worker_epoch) == 1 * SF_CACHE_LINE, "SegmentHeader.worker_epoch line");
 SF_STATIC_ASSERT(offsetof(SegmentHeader, yield_requested) == 2 * SF_CACHE_LINE, "SegmentHeader.yield_requested line");
 SF_STATIC_ASSERT(offsetof(SegmentHeader, latency_wanted) == 3 * SF_CACHE_LINE, "SegmentHeader.latency_wanted line");
-SF_STATIC_ASSERT(offsetof(SegmentHeader, stop_requested) == 4 * SF_CACHE_LINE, "SegmentHeader.stop_requested line");
+SF_STATIC_ASSERT(offsetof(SegmentHeader, session_id) == 4 * SF_CACHE_LINE, "SegmentHeader.session_id line");
 SF_STATIC_ASSERT(offsetof(SegmentHeader, runtime) == 5 * SF_CACHE_LINE, "SegmentHeader.runtime line");
 SF_STATIC_ASSERT(offsetof(SegmentHeader, layout) == 6 * SF_CACHE_LINE, "SegmentHeader.layout line");
 SF_STATIC_ASSERT(sizeof(SegmentHeader) == 9 * SF_CACHE_LINE, "SegmentHeader size");

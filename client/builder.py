@@ -89,11 +89,12 @@ class PlanBuilder:
                         tuple(self.admits), tuple(self.prefills), tuple(self.decodes), tuple(self.commits),
                         tuple(self.retires), 0, 0)
 
-    def encode(self) -> bytes:
-        return codec.encode("TickPlan", self.build())
+    def encode(self, session: int = 0) -> bytes:
+        return codec.encode("TickPlan", self.build(), session=session)
 
-    def encode_into(self, buf) -> int:
-        return codec.encode_into(buf, "TickPlan", self.build())
+    def encode_into(self, buf, session: int = 0) -> int:
+        """Into a plan-queue slot, stamped with the sender's session."""
+        return codec.encode_into(buf, "TickPlan", self.build(), session=session)
 
 
 def read_events(buf) -> TickEvents:

@@ -7,7 +7,10 @@ wait noticed it. After `reconnect()` the client talks to the new worker; the
 planner then re-admits its lanes (SPEC §9).
 
 One client per segment: the queues are single-producer single-consumer, and
-the client is the plan/op producer and the event/stream consumer.
+the client is the plan/op producer and the event/stream consumer. Connecting
+follows the header's protocol (abi/superfluid.h, "sessions"): the exclusive
+lock, a futex wait for READY, and a new session, so no reply to an earlier
+planner's plan or op is ever taken for this one's.
 
     with Client.connect("mydaemon") as c:
         prompt = c.write_prompt([1, 15, 27, 4])
@@ -18,7 +21,7 @@ the client is the plan/op producer and the event/stream consumer.
 from __future__ import annotations
 
 import collections
-import fcntl
+import errno
 import itertools
 import logging
 import os
@@ -28,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from superfluid.abi import MsgKind, OpStatus, WorkerState, codec
+from superfluid.abi import PLAN_SEQ_MAX, MsgKind, OpStatus, WaitResult, WorkerState, codec, ffi, lib
 from superfluid.abi.records import (LaneCommit, LaneEmit, OpCompletion, OpEvents, PartialEmit, RingRef,
                                     TickEvents, TickPlan, WorkerNotice)
 from superfluid.client.builder import PlanBuilder
@@ -38,7 +41,8 @@ from superfluid.rings.segment import Segment
 
 DEFAULT_TIMEOUT = 30.0
 log = logging.getLogger("superfluid.client")
-_POLL_S = 0.005  # how often connect/reconnect look at the segment header
+_POLL_S = 0.005  # how often connect looks for a segment that is not there yet
+_SIGNAL_SLICE_S = 0.1  # a futex wait returns to Python this often (Ctrl-C)
 _LIVENESS_SLICE_S = 0.5  # a long wait looks at the worker's pid this often
 _GONE_STATES = frozenset((WorkerState.STOPPED, WorkerState.DEAD, WorkerState.GAVE_UP))
 
@@ -113,33 +117,39 @@ def _pid_alive(pid: int) -> bool:
 class Client:
     """A planner's view of one worker. Use `Client.connect`."""
 
-    def __init__(self, seg: Segment, epoch: int, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, seg: Segment, epoch: int, *, timeout: float = DEFAULT_TIMEOUT, session: int = 0):
         self.seg = seg
         self.epoch = epoch
+        self.session = session  # stamped on every plan and op; replies of other sessions are dropped
         self._lock: int | None = None  # the fd whose flock says this worker has its planner
         self.timeout = timeout  # the default for every wait
         self.desc = seg.runtime
-        # The worker rejects plan_seq <= its last accepted one: start above it.
-        self._next_seq = int(seg.counters.last_plan_seq) + 1
+        self._next_seq = 1  # plan_seq starts afresh in every session
         self._op_ids = itertools.count(1)
-        # Apart from another client's (a planner restarted while its worker
-        # kept running still has lanes there under the old tags).
-        self._lane_tags = itertools.count((os.getpid() << 32) + 1)
+        # Apart from every earlier session's (their lanes may still be live
+        # there: LIST_LANES), by the session id; without one, by the pid.
+        self._lane_tags = itertools.count(((session or os.getpid()) << 32) + 1)
         self._ready: collections.deque[TickEvents] = collections.deque()  # read while waiting for others
         self._completions: dict[int, OpCompletion] = {}  # op_id -> completion, until op() takes it
         self._inflight: set[int] = set()  # plan_seqs sent to this epoch and not yet answered
         self._stale: set[int] = set()  # plan_seqs sent to an earlier epoch (a new worker may still run them)
         self._orphans: set[int] = set()  # lanes a stale plan admitted on the new worker
         self._early: list[TickEvents | OpEvents] = []  # messages of a newer epoch, read before reconnect
+        self.queue_resets: collections.deque = collections.deque(maxlen=64)  # the worker found a queue corrupted
         self._describe: dict[str, Any] | None = None
         self._drain_stale()
 
     # ------------------------------------------------------------ lifecycle
 
     @classmethod
-    def connect(cls, name: str, index: int = 0, timeout: float = DEFAULT_TIMEOUT) -> "Client":
-        """Open worker `index` of daemon `name` and wait until it is READY
-        (the segment may not exist yet: a planner may start first)."""
+    def connect(cls, name: str, index: int = 0, timeout: float = DEFAULT_TIMEOUT, *,
+                lanes: str = "keep") -> "Client":
+        """Open worker `index` of daemon `name`, take it, wait until it is
+        READY (the segment may not exist yet: a planner may start first) and
+        begin a session. `lanes`: what to do with lanes earlier sessions left
+        live: "keep" them (LIST_LANES shows them) or "retire" them."""
+        if lanes not in ("keep", "retire"):
+            raise ValueError(f"lanes = {lanes!r}: 'keep' or 'retire'")
         deadline = time.monotonic() + timeout
         said = False
         while True:
@@ -157,8 +167,10 @@ class Client:
         try:
             lock = _lock_planner(seg, name, index)
             epoch = _wait_ready(seg, after=None, deadline=deadline)
-            client = cls(seg, epoch, timeout=timeout)
+            client = cls(seg, epoch, timeout=timeout, session=seg.begin_session())
             client._lock = lock
+            if lanes == "retire":
+                client.retire_lanes(all=True)
             return client
         except BaseException:
             if lock is not None:
@@ -259,10 +271,12 @@ class Client:
         seq = record.plan_seq or self._next_seq
         if seq < self._next_seq:
             raise ValueError(f"plan_seq {seq}: plans go in increasing order (next is {self._next_seq})")
+        if seq > PLAN_SEQ_MAX:
+            raise ValueError(f"plan_seq {seq}: above SF_PLAN_SEQ_MAX ({PLAN_SEQ_MAX}); connect again for a new session")
         if seq != record.plan_seq:
             record = record._replace(plan_seq=seq)
         slot = self._wait_slot(self.seg.plan_queue, timeout, write=True)
-        codec.encode_into(slot, "TickPlan", record)  # a failure publishes nothing
+        codec.encode_into(slot, "TickPlan", record, session=self.session)  # a failure publishes nothing
         self.seg.plan_queue.publish()
         self._next_seq = seq + 1
         self._inflight.add(seq)
@@ -297,10 +311,19 @@ class Client:
         slot = self._wait_slot(q, timeout, write=False)
         try:
             kind = codec.read_header(slot)[0]
+            session = codec.session_of(slot)
+            if session and session != self.session:
+                return  # an earlier planner's reply: not ours, whatever its plan_seq or op_id
             if kind == MsgKind.EVENTS:
                 msg = codec.decode(slot, "TickEvents")
             elif kind == MsgKind.OP_EVENTS:
                 msg = codec.decode(slot, "OpEvents")
+            elif kind == MsgKind.RESET:
+                reset = codec.decode(slot, "QueueReset")
+                log.warning("worker %d reset its %s queue (head %d, tail %d were impossible)", self.seg.index,
+                            _queue_name(reset.queue), reset.head, reset.tail)
+                self.queue_resets.append(reset)
+                return
             elif kind == MsgKind.WORKER:
                 notice = codec.decode(slot, "WorkerNotice")
                 if notice.worker_epoch != self.epoch or notice.worker_state in _GONE_STATES:
@@ -367,7 +390,8 @@ class Client:
         op_id = next(self._op_ids)
         payload = msgpack.packb({"op": name, "op_id": op_id, **fields})
         try:
-            self.seg.op_queue.send_bytes(MsgKind.OP, payload, timeout=self._t(timeout), epoch=self.epoch)
+            self.seg.op_queue.send_bytes(MsgKind.OP, payload, timeout=self._t(timeout), epoch=self.epoch,
+                                         session=self.session)
         except PeerGone:
             raise self._gone() from None
         except QueueTimeout:
@@ -378,6 +402,36 @@ class Client:
                 raise ClientTimeout(f"op {name} (op_id {op_id}): no completion within {self._t(timeout)}s")
             self._pump(left)
         return self._completions.pop(op_id)
+
+    def _op_ok(self, name: str, timeout: float | None = None, **fields: Any) -> tuple[OpCompletion, dict]:
+        done = self.op(name, timeout, **fields)
+        body = msgpack.unpackb(done.payload, raw=False, strict_map_key=False) if done.payload else {}
+        if done.status != OpStatus.OK:
+            raise ClientError(f"{name} failed: {OpStatus(done.status).name}: {body.get('error', '')}")
+        return done, body
+
+    def list_lanes(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Op LIST_LANES, every page: the live and faulted lanes, with the
+        session that admitted each."""
+        out: list[dict[str, Any]] = []
+        after = 0
+        while True:
+            _, body = self._op_ok("LIST_LANES", timeout, after=after, limit=1024)
+            out += body["lanes"]
+            if not body.get("more") or not body["lanes"]:
+                return out
+            after = body["lanes"][-1]["tag"]
+
+    def retire_lanes(self, tags=None, *, all: bool = False, publish: bool = False,
+                     timeout: float | None = None) -> int:
+        """Op RETIRE_LANES: end `tags`, or `all` lanes; how many ended."""
+        fields: dict[str, Any] = {"publish": publish}
+        if all:
+            fields["all"] = True
+        else:
+            fields["tags"] = [int(t) for t in tags or ()]
+        done, _ = self._op_ok("RETIRE_LANES", timeout, **fields)
+        return int(done.value)
 
     def describe(self, timeout: float | None = None) -> dict[str, Any]:
         """Op DESCRIBE: the runtime description, EOS ids and special tokens
@@ -425,41 +479,55 @@ class Client:
         out = []
         while (slot := q.try_peek()) is not None:
             try:
-                if codec.read_header(slot)[0] == MsgKind.PARTIAL:
+                session = codec.session_of(slot)
+                if codec.read_header(slot)[0] == MsgKind.PARTIAL and session in (0, self.session):
                     out.append(codec.decode(slot, "PartialEmit"))
             finally:
                 q.release()
         return out
 
 
-def _lock_planner(seg: Segment, name: str, index: int) -> int:
-    """An exclusive flock on the segment file, held while connected (the
-    kernel drops it when the planner's process dies)."""
-    fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+def _queue_name(kind: int) -> str:
+    from superfluid.abi import QueueKind
+
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        return QueueKind(kind).name.lower()
+    except ValueError:
+        return str(kind)
+
+
+def _lock_planner(seg: Segment, name: str, index: int) -> int:
+    """sf_session_lock: the exclusive flock on the segment file every
+    language takes, held while connected (the kernel drops it when the
+    planner's process dies)."""
+    fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+    r = lib.sf_session_lock(fd)
+    if r != 0:
         os.close(fd)
-        raise WorkerTaken(f"{seg.path}: worker {index} of daemon {name!r} already has a planner "
-                          "(one planner per worker: connect to another index, or close the other)") from None
+        if r == -errno.EWOULDBLOCK:
+            raise WorkerTaken(f"{seg.path}: worker {index} of daemon {name!r} already has a planner "
+                              "(one planner per worker: connect to another index, or close the other)")
+        raise ClientError(f"{seg.path}: cannot lock: {os.strerror(-r)}")
     return fd
 
 
 def _wait_ready(seg: Segment, *, after: int | None, deadline: float) -> int:
     """The epoch of the segment's worker once it is READY and alive (and,
-    with `after`, of a later epoch than that)."""
+    with `after`, of a later epoch than that): sf_wait_ready, a futex sleep
+    on the worker state, in slices so Ctrl-C is seen."""
     while True:
+        left = deadline - time.monotonic()
+        out = ffi.new("uint64_t *")
+        r = lib.sf_wait_ready(seg.header, after or 0, int(max(0.0, min(left, _SIGNAL_SLICE_S)) * 1e9), out)
+        if r == WaitResult.READY:
+            return int(out[0])
         state, epoch = seg.worker_state, seg.epoch
-        if state == WorkerState.GAVE_UP:
-            raise WorkerGaveUp(f"{seg.path}: the daemon gave up on this worker (epoch {epoch})")
-        if state == WorkerState.STOPPED:
-            raise DaemonGone(f"{seg.path}: the daemon stopped this worker (epoch {epoch}): it is shutting down")
-        daemon = int(seg.header.daemon_pid)
-        if daemon and not _pid_alive(daemon):
-            raise DaemonGone(f"{seg.path}: the daemon (pid {daemon}) is gone; no worker will be restarted")
-        if (state == WorkerState.READY and (after is None or epoch > after)
-                and _pid_alive(int(seg.header.worker_pid)) and seg.epoch == epoch):
-            return epoch
-        if time.monotonic() > deadline:
+        if r == WaitResult.GONE:
+            if state == WorkerState.GAVE_UP:
+                raise WorkerGaveUp(f"{seg.path}: the daemon gave up on this worker (epoch {epoch})")
+            if state == WorkerState.STOPPED:
+                raise DaemonGone(f"{seg.path}: the daemon stopped this worker (epoch {epoch}): it is shutting down")
+            raise DaemonGone(f"{seg.path}: the daemon (pid {seg.header.daemon_pid}) is gone; no worker will be "
+                             "restarted")
+        if left <= _SIGNAL_SLICE_S:
             raise ClientTimeout(f"{seg.path}: no READY worker (epoch {epoch}, state {_state_name(state)})")
-        time.sleep(_POLL_S)

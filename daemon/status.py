@@ -24,22 +24,6 @@ from superfluid.rings.segment import NAME_RE, Segment, shm_dir
 
 DEFAULT_NAME = "superfluid"
 
-# The counters exported to Prometheus: (snapshot key, metric suffix, type, help).
-METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("ticks", "ticks_total", "counter", "Plans applied by the current worker."),
-    ("rejects", "rejects_total", "counter", "Plans rejected by the current worker."),
-    ("tokens_emitted", "tokens_emitted_total", "counter", "Tokens emitted by the current worker."),
-    ("restarts", "restarts_total", "counter", "Times the daemon restarted this worker."),
-    ("live_lanes", "live_lanes", "gauge", "Lanes admitted and not retired."),
-    ("cache_entries", "cache_entries", "gauge", "Prefix-cache entries."),
-    ("cache_bytes", "cache_bytes", "gauge", "Bytes held by prefix-cache entries."),
-    ("epoch", "epoch", "gauge", "Worker epoch (bumped on every start)."),
-    ("state_code", "state", "gauge", "SF_WORKER_* state (2 = READY)."),
-    ("ready", "up", "gauge", "1 when the worker reads plans."),
-    ("last_exit_status", "last_exit_status", "gauge", "Exit code, or -signal, of the last worker that ended."),
-    ("heartbeat_age_s", "heartbeat_age_seconds", "gauge", "Seconds since the worker's last loop."),
-)
-
 
 def segment_paths(name: str) -> list[tuple[int, str]]:
     """(index, path) of every segment of daemon `name`, by index."""
@@ -97,6 +81,11 @@ def worker_snapshot(seg: Segment) -> dict[str, Any]:
         "last_fault": {"lane": int(c.last_fault_lane), "code": fault_code, "name": fault_name} if fault_code else None,
         # CLOCK_MONOTONIC is system-wide, so the worker's stamp compares with ours.
         "heartbeat_age_s": round(max(0, now - c.heartbeat_ns) / 1e9, 3) if c.heartbeat_ns else None,
+        # The worker waits for its planner to read events: since how long (None: it does not).
+        "blocked_on_planner_s": round(max(0, now - c.blocked_since_ns) / 1e9, 3) if c.blocked_since_ns else None,
+        "session": int(c.session_id),
+        "stale_messages": int(c.stale_messages),
+        "queue_resets": int(c.queue_resets),
         "state_age_s": round(max(0, now - h.state_changed_ns) / 1e9, 3) if h.state_changed_ns else None,
         "path": seg.path,
     }
@@ -166,30 +155,14 @@ def format_status(st: dict[str, Any]) -> str:
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(f"{v:<{widths[i]}}" for i, v in enumerate(r)).rstrip() for r in rows]
+    for w in st["workers"]:
+        if w.get("blocked_on_planner_s") is not None:
+            lines.append(f"worker {w['index']}: blocked on its planner for {w['blocked_on_planner_s']:.1f} s "
+                         "(the event queue is full: the planner is not reading its events)")
+        if w.get("queue_resets"):
+            lines.append(f"worker {w['index']}: reset {w['queue_resets']} corrupted queue(s)")
     lines += errors
     return "\n".join(lines)
-
-
-def _label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def prometheus_text(name: str, workers: list[dict[str, Any]]) -> str:
-    """The Prometheus text exposition (format 0.0.4) of worker snapshots."""
-    out: list[str] = []
-    for key, suffix, kind, help_ in METRICS:
-        metric = f"superfluid_worker_{suffix}"
-        out.append(f"# HELP {metric} {help_}")
-        out.append(f"# TYPE {metric} {kind}")
-        for w in workers:
-            v = w.get(key)
-            if v is None:
-                continue
-            out.append(f'{metric}{{name="{_label(name)}",worker="{w["index"]}"}} {v}')
-    return "\n".join(out) + "\n"
-
-
-# --------------------------------------------------------------------- CLI
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,10 +11,15 @@ the select timeout.
 
 When a worker ends while the daemon serves: log how (exit code or signal)
 and why, mark its segment DEAD with the exit status, put a WorkerNotice on
-its event queue, then after an exponential backoff bump the epoch and start
-a fresh worker. A worker that fails N times within a window is given up on
-(GAVE_UP). On SIGTERM/SIGINT: ask every worker to stop, SIGKILL those that
-do not within the timeout, unlink every segment, exit 0.
+its event queue, then after an exponential backoff repair the segment
+(whatever a planner scribbled on its header and geometry), bump the epoch
+and start a fresh worker. A worker that fails N times within a window is
+given up on (GAVE_UP). On SIGTERM/SIGINT: ask every worker to stop, SIGKILL
+those that do not within the timeout, unlink every segment, exit 0.
+
+The daemon commands a worker only through a socketpair made at spawn (a
+planner can write every byte of the segment, never that); the segment's
+stop_requested is only a report to planners that the daemon shuts down.
 
 Workers get PR_SET_PDEATHSIG=SIGKILL, so none outlives a SIGKILLed daemon.
 That signal follows the *thread* that forked the worker: run start() and
@@ -27,11 +32,12 @@ import collections
 import ctypes
 import dataclasses
 import errno
-import http.server
 import logging
 import os
 import selectors
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -41,10 +47,12 @@ from typing import Any
 
 from superfluid.abi import WorkerState, codec, ffi
 from superfluid.abi.records import WorkerNotice
+from superfluid.executor.control import STOP
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, SegmentConfig, segment_path
 
-from .status import pid_alive, prometheus_text, segment_paths, worker_snapshot
+from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
+from .status import pid_alive, segment_paths, worker_snapshot
 
 log = logging.getLogger("superfluid.daemon")
 
@@ -144,6 +152,8 @@ class _Worker:
     restart_at: float | None = None  # monotonic time of a pending restart
     failures: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
     gave_up: bool = False
+    control: socket.socket | None = None  # the daemon's end of the worker's command channel
+    metrics: Any = None  # the WorkerMetrics block this slot's workers record into
 
 
 class Daemon:
@@ -194,8 +204,8 @@ class Daemon:
         self._registered: str | None = None  # this daemon's key in _IN_PROCESS
         self._started = False
         self._finished = False
-        self._metrics: http.server.HTTPServer | None = None
-        self._metrics_thread: threading.Thread | None = None
+        self._metrics: MetricsServer | None = None
+        self.counters = DaemonCounters()  # how workers ended, for worker_exits_total
 
     # --------------------------------------------------------------- public
 
@@ -204,7 +214,8 @@ class Daemon:
         return [w.seg for w in self._workers]
 
     def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
-        """The command line of worker `index` (override to vary it per worker)."""
+        """The command line of worker `index` (override to vary it per worker);
+        the daemon adds its channel, metrics and geometry options to it."""
         cmd = [self.python, "-m", "superfluid.daemon.worker", "--segment", segment, "--epoch", str(epoch)]
         if self.fault_injection:
             cmd.append("--fault-injection")
@@ -228,7 +239,7 @@ class Daemon:
             for i in range(self.n_workers):
                 seg = Segment.create(self.name, i, self.segment_config, replace=True)
                 seg.header.fault_injection = int(self.fault_injection)
-                self._workers.append(_Worker(i, seg))
+                self._workers.append(_Worker(i, seg, metrics=WorkerMetrics.create(f"{self.name}.{i}")))
             self._remove_stale_segments()
             log.info("daemon %s (pid %d): %d worker(s), segments in %s, logits ring %d floats",
                      self.name, os.getpid(), self.n_workers, os.path.dirname(self._workers[0].seg.path),
@@ -360,6 +371,8 @@ class Daemon:
     def _spawn(self, w: _Worker) -> None:
         seg = w.seg
         h = seg.header
+        for fix in seg.repair(fault_injection=self.fault_injection):
+            log.warning("worker %d: segment repaired before the start: %s", w.index, fix)
         # The new worker counts from zero (status: "tokens emitted since the worker started").
         ffi.memmove(ffi.addressof(h, "counters"), bytes(_COUNTERS_BYTES), _COUNTERS_BYTES)
         h.worker_pid = 0
@@ -372,18 +385,28 @@ class Daemon:
         if h.restarts:
             # Before the new worker exists, the daemon is the event queue's only producer.
             self._notice(w, WorkerState.STARTING)
-        cmd = self.worker_command(w.index, seg.path, w.epoch)
+            w.metrics.restarted()  # the new worker's gauges start from nothing
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        fds = (theirs.fileno(), w.metrics.fd)
+        cmd = self.worker_command(w.index, seg.path, w.epoch) + [
+            "--control-fd", str(fds[0]), "--metrics-fd", str(fds[1]),
+            "--segment-config", self.segment_config.to_json()]
         w.ready = False
         w.started = time.monotonic()
         try:
             # preexec_fn with threads about (metrics): it only calls prctl, getppid and kill,
             # which take no lock another thread could hold at fork time.
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env,
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env, pass_fds=fds,
                                     preexec_fn=_die_with_parent(os.getpid()))  # noqa: PLW1509
         except (OSError, subprocess.SubprocessError) as e:
+            ours.close()
+            theirs.close()
             log.error("worker %d: cannot start %s: %s", w.index, cmd[0], e)
             self._failed(w, EXIT_SPAWN_FAILED)
             return
+        theirs.close()
+        w.control = ours
         try:
             pidfd = os.pidfd_open(proc.pid)
         except OSError:
@@ -414,6 +437,9 @@ class Daemon:
         self._sel.unregister(w.pidfd)
         os.close(w.pidfd)
         w.pidfd = -1
+        if w.control is not None:
+            w.control.close()
+            w.control = None
         status = w.proc.wait()  # the pidfd said it exited: this reaps, it does not block
         w.proc = None
         return status
@@ -435,6 +461,7 @@ class Daemon:
         """A worker ended (or could not start) while the daemon serves."""
         h = w.seg.header
         h.last_exit_status = status
+        self.counters.exited(w.index, "spawn_failed" if status == EXIT_SPAWN_FAILED else exit_reason(status))
         now = time.monotonic()
         n, window = self.crash_loop
         w.failures.append(now)
@@ -490,9 +517,8 @@ class Daemon:
         log.info("stopping %d worker(s) (timeout %g s)", len(live), self.stop_timeout)
         for w in self._workers:
             w.restart_at = None
-            if w.proc is not None:
-                w.seg.set_worker_state(WorkerState.STOPPING)
-            w.seg.request_stop()
+            w.seg.request_stop()  # the planners' report; the worker hears it below
+            self._command(w, STOP)
         deadline = time.monotonic() + self.stop_timeout
         while any(w.proc is not None for w in self._workers):
             left = deadline - time.monotonic()
@@ -504,6 +530,14 @@ class Daemon:
             log.warning("worker(s) %s did not stop within %g s: killing them", ", ".join(str(w.index) for w in late),
                         self.stop_timeout)
             self._kill_all()
+
+    def _command(self, w: _Worker, cmd: bytes) -> None:
+        if w.control is None:
+            return
+        try:
+            w.control.send(cmd)
+        except OSError as e:  # gone already, or its buffer is full of earlier commands
+            log.debug("worker %d: command %r not sent: %s", w.index, cmd, e)
 
     def _kill_all(self) -> None:
         for w in self._workers:
@@ -531,10 +565,15 @@ class Daemon:
         if kill_now:
             self._kill_all()
         if self._metrics is not None:
-            self._metrics.shutdown()  # before the segments it reads are unmapped
-            self._metrics.server_close()
+            self._metrics.close()  # before the segments and blocks it reads are unmapped
             self._metrics = None
         for w in self._workers:
+            if w.control is not None:
+                w.control.close()
+                w.control = None
+            if w.metrics is not None:
+                w.metrics.close()
+                w.metrics = None
             if not w.seg.closed:
                 if w.seg.worker_state not in (WorkerState.STOPPED, WorkerState.GAVE_UP):
                     w.seg.set_worker_state(WorkerState.STOPPED)  # a planner still mapped sees PeerGone
@@ -569,43 +608,43 @@ class Daemon:
                                    "or choose another --name")
 
     def _remove_stale_segments(self) -> None:
-        """A dead daemon with more workers left higher-numbered segments: status would show ghosts."""
+        """A dead daemon with more workers left higher-numbered segments:
+        status would show ghosts. Only ours: another user's file is named
+        in the log and left alone."""
         for index, path in segment_paths(self.name):
-            if index >= self.n_workers:
-                log.info("removing stale segment %s", path)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            if index < self.n_workers:
+                continue
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                log.warning("stale segment %s belongs to uid %d (not a file of ours): left alone", path, st.st_uid)
+                continue
+            log.info("removing stale segment %s", path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("stale segment %s: cannot remove it: %s", path, e.strerror)
 
     # ------------------------------------------------------------- metrics
 
     def _start_metrics(self) -> None:
-        daemon = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # http.server's name for it
-                if self.path.split("?", 1)[0] not in ("/", "/metrics"):
-                    self.send_error(404)
-                    return
-                body = prometheus_text(daemon.name, daemon.snapshot()).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("metrics: " + format, *args)
-
         assert self.metrics_port is not None
-        srv = http.server.ThreadingHTTPServer((self.metrics_host, self.metrics_port), Handler)
-        srv.daemon_threads = True
-        self._metrics = srv
-        host, port = srv.server_address[:2]
-        self.metrics_address = (str(host), int(port))
-        # A short poll interval: shutdown() waits for it when the daemon stops.
-        self._metrics_thread = threading.Thread(target=srv.serve_forever, args=(0.1,), name="superfluid-metrics",
-                                                daemon=True)
-        self._metrics_thread.start()
-        log.info("metrics on http://%s:%d/metrics", host, port)
+        self._metrics = MetricsServer(make_registry(self.name, self._metric_sources, self.counters),
+                                      self.metrics_host, self.metrics_port)
+        self.metrics_address = self._metrics.address
+        log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
+
+    def _metric_sources(self):
+        # Scrape threads: a segment closed at shutdown is skipped, not read.
+        for w in list(self._workers):
+            seg, block = w.seg, w.metrics
+            if block is None or seg.closed or block.closed:
+                continue
+            try:
+                yield w.index, block, worker_snapshot(seg)
+            except Exception:  # closed under us by the shutdown
+                continue

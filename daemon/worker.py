@@ -2,9 +2,13 @@
 
     python -m superfluid.daemon.worker --segment PATH --epoch N [--model DIR | --fake]
         [--backend torch|triton] [--fault-injection] [--kv-cells N] [--page N] [--max-batch N] ...
+        [--control-fd FD --segment-config JSON --metrics-fd FD]   (given by the daemon)
 
-The daemon starts one per segment and restarts it when it dies. Exit codes:
-0 stopped or replaced, 70 the runtime failed fatally (state unknown), 2 bad
+The daemon starts one per segment and restarts it when it dies. It talks to
+the worker over --control-fd (stop), tells it the segment's geometry
+(--segment-config: the header's copy may have been scribbled on) and shares
+a metrics block (--metrics-fd). Without a control fd, SIGTERM stops it.
+Exit codes: 0 stopped, 70 the runtime failed fatally (state unknown), 2 bad
 arguments or a segment it cannot open, 3 the model would not load.
 """
 
@@ -95,28 +99,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment", required=True, help="path of this worker's segment")
     p.add_argument("--epoch", type=int, required=True, help="the epoch the daemon gave this worker")
     p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT")
+    p.add_argument("--control-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--segment-config", help=argparse.SUPPRESS)
     add_runtime_args(p)
     args = p.parse_args(argv)
-    # The daemon handles signals for the pool; a worker stops when its segment says so
-    # (a group-wide SIGTERM, e.g. systemd's, must not kill it mid-tick).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     from superfluid.executor import Executor, SegmentRings
+    from superfluid.executor.control import Control
     from superfluid.executor.worker import Worker
     from superfluid.rings.errors import SegmentError
-    from superfluid.rings.segment import Segment
+    from superfluid.rings.segment import Segment, SegmentConfig
 
+    control = Control(args.control_fd)
+    # The daemon handles signals for the pool (a group-wide SIGTERM, e.g.
+    # systemd's, must not kill a worker mid-tick); alone, SIGTERM stops it cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.control_fd is None:
+        control.stop_on_sigterm()
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        seg = Segment.open_path(args.segment)
+        config = SegmentConfig.from_json(args.segment_config) if args.segment_config else None
+        seg = Segment.open_path(args.segment, config=config)
     except SegmentError as e:
         print(f"superfluid worker: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    if seg.epoch != args.epoch:
-        print(f"superfluid worker: segment epoch is {seg.epoch}, this worker was started for {args.epoch}; leaving",
-              file=sys.stderr)
-        return 0
+    # The daemon's --epoch is this worker's; the header's copy is a report (rewritten when READY).
+    seg.set_epoch(args.epoch)
     seg.header.worker_pid = os.getpid()
+    metrics = None
+    if args.metrics_fd is not None:
+        from superfluid.daemon.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics.from_fd(args.metrics_fd)
     if args.threads > 0:
         import torch
 
@@ -129,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
                   fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
                   host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases)
-    return Worker(seg, ex, epoch=args.epoch).run()
+    return Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
 
 
 if __name__ == "__main__":

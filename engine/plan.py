@@ -17,6 +17,7 @@ from superfluid.abi import (
     MAX_TOP_LOGPROBS,
     PARAM_FLAGS_ALL,
     PLAN_FLAGS_ALL,
+    PLAN_SEQ_MAX,
     Determinism,
     Sampling,
     Status,
@@ -79,6 +80,9 @@ def _check_params(p, field: str) -> None:
 
 def check_plan(plan: TickPlan) -> None:
     """The record-level checks of a decoded plan (no executor state)."""
+    if plan.plan_seq > PLAN_SEQ_MAX:
+        raise _bounds("TickPlan.plan_seq", f"{plan.plan_seq} > SF_PLAN_SEQ_MAX ({PLAN_SEQ_MAX}): the range leaves "
+                                           "room to count up")
     if plan.flags & ~PLAN_FLAGS_ALL:
         raise _illegal("TickPlan.flags", f"unknown bits {plan.flags & ~PLAN_FLAGS_ALL:#x}")
     if plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:
@@ -143,8 +147,8 @@ def reject_events(plan_seq: int, reject: PlanReject, *, epoch: int = 0, **fields
                       worker_epoch=epoch, **fields)
 
 
-def encode_events_into(buf, events: TickEvents) -> int:
-    return codec.encode_into(buf, "TickEvents", events)
+def encode_events_into(buf, events: TickEvents, session: int = 0) -> int:
+    return codec.encode_into(buf, "TickEvents", events, session=session)
 
 
 def decode_events(buf) -> TickEvents:

@@ -57,7 +57,8 @@ class AdmitPhase:
             lane = Lane(
                 tag=a.lane_tag, seq=0, sampling=a.sampling, params=a.params, rng_base=a.rng_counter_base,
                 prompt=prompt, prefill_end=admitted_span(a, prompt, use)[0], bias=bias,
-                logprobs_top=(a.want_logprobs - 1) if a.want_logprobs else None, granted_class=granted)
+                logprobs_top=(a.want_logprobs - 1) if a.want_logprobs else None, granted_class=granted,
+                session=ex.session)
             lane.greedy = a.sampling == _GREEDY or a.params.temperature <= 0
             lane.ignore_eos = bool(a.params.flags & _IGNORE_EOS)
             lane.engine_ok = (desc.engine_sampling and a.sampling != _HOST and (lane.greedy or desc.engine_draws)

@@ -18,7 +18,7 @@ from superfluid.executor.seeds import SeedUse, is_bare
 from superfluid.rings.errors import RefError
 
 _SIZE = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
-                                     "LaneLogprob", "OpCompletion")}
+                                     "LaneLogprob")}
 
 
 @dataclasses.dataclass
@@ -273,7 +273,9 @@ def _retires(ex, plan: TickPlan) -> None:
 
 def _events_fit(ex, plan: TickPlan) -> None:
     """An applied plan cannot be taken back, so its events must fit their
-    slot: bound them from above before anything moves."""
+    slot: bound them from above before anything moves. Pending op
+    completions do not count: the worker carries those that do not fit into
+    the messages that follow, so no completion can refuse a plan."""
     if ex.event_capacity is None:
         return
     size = codec.MSG_HEADER_BYTES + _SIZE["TickEvents"] + 512  # + the reject message, alignment
@@ -288,7 +290,6 @@ def _events_fit(ex, plan: TickPlan) -> None:
     wants = {a.lane_tag for a in plan.admits if a.want_logprobs}
     wants |= {t for t, ln in ex.lanes.items() if ln.logprobs_top is not None}
     size += sum(d.max_new_tokens for d in plan.decodes if d.lane_tag in wants) * _SIZE["LaneLogprob"]
-    size += sum(_SIZE["OpCompletion"] + len(c.payload) + 8 for c in ex.completions)
     if size > ex.event_capacity:
         raise reject(Status.RejectBudget, "TickPlan.decodes",
                      f"its events could take {size} bytes, the event slot holds {ex.event_capacity}")

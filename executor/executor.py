@@ -23,7 +23,7 @@ from superfluid.engine.plan import PlanReject, check_plan, decode_plan, plan_seq
 from superfluid.engine.runtime import FatalError, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check
-from superfluid.executor.lanes import Lane
+from superfluid.executor.lanes import FaultedLanes, Lane
 from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
 from superfluid.executor.tick import Tick
@@ -76,7 +76,8 @@ class Executor:
         self.fatal_exit = fatal_exit
         self.clock = clock
         self.lanes: dict[int, Lane] = {}
-        self.faulted: set[int] = set()  # faulted lanes not yet retired
+        self.faulted = FaultedLanes()  # faulted lanes not yet retired: their tags
+        self.session = 0  # the planner session served now (the worker sets it); lanes record it
         self.cache = PrefixCache(self.page)
         if cache_max_bytes == AUTO:
             mem = runtime.mem_counters()
@@ -261,13 +262,14 @@ class Executor:
         def put(*xs: Any) -> None:
             h.update(repr(xs).encode())
 
-        put(self.last_plan_seq, self.tick_count, self._nonce, sorted(self.faulted), sorted(self.inject_fault.items()),
+        faulted = [(t, getattr(self.faulted.lanes.get(t), "session", None)) for t in sorted(self.faulted)]
+        put(self.last_plan_seq, self.tick_count, self._nonce, faulted, sorted(self.inject_fault.items()),
             sorted(self.biases), self.next_handle, len(self.pending_shed), self.seeded_tokens)
         for tag in sorted(self.lanes):
             ln = self.lanes[tag]
             put(tag, ln.seq, ln.sampling, tuple(ln.params), ln.rng_base, ln.rng_counter, ln.prompt, ln.prefill_end,
                 ln.prefilled, ln.committed, ln.pending_input, ln.pending_row, ln.finished, ln.logprobs_top,
-                ln.granted_class, self.runtime.seq_len(ln.seq))
+                ln.granted_class, ln.session, self.runtime.seq_len(ln.seq))
         for e in sorted(self.cache.all(), key=lambda e: e.eid):
             put(e.eid, e.seq, e.tokens, e.prompt_len, e.bytes, e.last_used, e.pins, e.seeded, e.checkpoint, e.bare,
                 None if e.blob is None else hashlib.sha256(e.blob).hexdigest(),

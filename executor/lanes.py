@@ -40,6 +40,7 @@ class Lane:
     greedy: bool = False
     ignore_eos: bool = False
     engine_ok: bool = False  # the engine may sample it (no host-only step applies)
+    session: int = 0  # the planner session that admitted it (Executor.session then)
 
     @property
     def position(self) -> int:
@@ -50,3 +51,34 @@ class Lane:
     def ingested(self) -> int:
         """Tokens in the sequence (committed less the pending one)."""
         return len(self.committed) - (self.pending_input is not None)
+
+    @property
+    def generated(self) -> int:
+        """Tokens produced so far (sampled or committed; replayed prompt tokens are prompt)."""
+        return max(0, len(self.committed) - len(self.prompt))
+
+    @property
+    def phase(self) -> str:
+        """What the lane waits for: "prefilling" (prompt tokens left for prefill),
+        "decoding" (ready to decode, or to be committed), "finished" (its retire)."""
+        if self.finished:
+            return "finished"
+        return "prefilling" if self.prefilled < self.prefill_end else "decoding"
+
+
+class FaultedLanes(set):
+    """Faulted lanes not yet retired: the set of their tags (what the checks
+    read), which also keeps each lane as it was when it faulted (its sequence
+    is gone), for LIST_LANES and a retire by session."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lanes: dict[int, Lane] = {}
+
+    def keep(self, lane: Lane) -> None:
+        self.add(lane.tag)
+        self.lanes[lane.tag] = lane
+
+    def discard(self, tag: int) -> None:
+        super().discard(tag)
+        self.lanes.pop(tag, None)

@@ -7,15 +7,40 @@ from typing import Any
 
 import numpy as np
 
-from superfluid.abi import OpStatus
+from superfluid.abi import ECHO_BYTES, OpStatus
 
 _U32 = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+MAX_ERROR_BYTES = 256  # a whole error message, whatever it quotes (run_op clips it)
 
 
 class OpError(Exception):
     def __init__(self, status: OpStatus, message: str):
         super().__init__(message)
         self.status = status
+
+
+def clip(text: str, limit: int) -> str:
+    """text cut to at most `limit` UTF-8 bytes (an ellipsis marks a cut)."""
+    b = text.encode("utf-8", "replace")  # (a lone surrogate msgpack could not pack becomes "?")
+    if len(b) <= limit:
+        return b.decode("utf-8")
+    return b[:max(0, limit - 3)].decode("utf-8", "ignore") + "..."
+
+
+def echo(v: Any) -> str:
+    """A quote of an input value, at most ECHO_BYTES: a container is named,
+    never rendered (its repr alone could be megabytes)."""
+    if isinstance(v, (list, tuple, dict, set)):
+        return f"a {type(v).__name__} of {len(v)}"
+    if isinstance(v, int) and v.bit_length() > 128:  # repr would be slow, or refused
+        return f"an int of {v.bit_length()} bits"
+    if isinstance(v, (str, bytes, bytearray, memoryview)):
+        v = v[:ECHO_BYTES]
+    try:
+        return clip(repr(v), ECHO_BYTES)
+    except Exception:  # an in-process caller's object with a broken repr
+        return f"a {type(v).__name__}"
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -34,9 +59,37 @@ def field(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 
 def handle(msg: dict) -> int:
     h = field(msg, "handle", int)
-    if h <= 0:
-        raise OpError(OpStatus.BadRequest, f"field 'handle': {h} is not a handle")
+    if not 0 < h <= _U64:
+        raise OpError(OpStatus.BadRequest, f"field 'handle': {echo(h)} is not a handle")
     return h
+
+
+def u64(msg: dict, name: str, default: int | None = None) -> int:
+    """An unsigned 64-bit field; default when absent (None: required)."""
+    if name not in msg and default is not None:
+        return default
+    v = field(msg, name, int)
+    if not 0 <= v <= _U64:
+        raise OpError(OpStatus.BadRequest, f"field {name!r}: {echo(v)} is outside 0..{_U64}")
+    return v
+
+
+def flag(msg: dict, name: str, default: bool = False) -> bool:
+    return field(msg, name, bool) if name in msg else default
+
+
+def u64_list(msg: dict, name: str) -> list[int]:
+    """A list of distinct unsigned 64-bit integers."""
+    v = field(msg, name, list)
+    for i, t in enumerate(v):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _U64:
+            raise OpError(OpStatus.BadRequest,
+                          f"field {name!r}: [{i}] = {echo(t)} is not an unsigned 64-bit integer")
+    if len(set(v)) != len(v):
+        seen: set[int] = set()
+        dup = next(t for t in v if t in seen or seen.add(t))
+        raise OpError(OpStatus.BadRequest, f"field {name!r}: {dup} appears twice")
+    return v
 
 
 def u32(msg: dict, name: str, default: int | None = None, lo: int = 0) -> int:
@@ -45,7 +98,7 @@ def u32(msg: dict, name: str, default: int | None = None, lo: int = 0) -> int:
         return default
     v = field(msg, name, int)
     if not lo <= v <= _U32:
-        raise OpError(OpStatus.BadRequest, f"field {name!r}: {v} is outside {lo}..{_U32}")
+        raise OpError(OpStatus.BadRequest, f"field {name!r}: {echo(v)} is outside {lo}..{_U32}")
     return v
 
 
@@ -54,16 +107,17 @@ def tokens(msg: dict, name: str, vocab: int) -> list[int]:
     v = field(msg, name, list)
     if not v:
         raise OpError(OpStatus.BadRequest, f"field {name!r}: an empty token list")
-    try:  # one pass in C for the common case; the slow path names the bad entry
-        arr = np.asarray(v)
-        if (arr.dtype.kind in "iu" and arr.ndim == 1 and int(arr.min()) >= 0 and int(arr.max()) < vocab
-                and not any(t is True or t is False for t in v)):
-            return v
-    except (ValueError, TypeError, OverflowError):
-        pass
+    # Passes in C for the common case; the slow path names the bad entry. Types
+    # first: numpy would size a string array by its longest entry.
+    if all(issubclass(k, (int, np.integer)) and k is not bool for k in set(map(type, v))):
+        try:
+            arr = np.asarray(v)
+            if arr.dtype.kind in "iu" and int(arr.min()) >= 0 and int(arr.max()) < vocab:
+                return v
+        except (ValueError, TypeError, OverflowError):
+            pass
     for i, t in enumerate(v):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-            shown = repr(t)[:32]
-            raise OpError(OpStatus.BadRequest, f"field {name!r}: [{i}] = {shown} is not a token of the "
+            raise OpError(OpStatus.BadRequest, f"field {name!r}: [{i}] = {echo(t)} is not a token of the "
                                                f"vocabulary of {vocab}")
     return v

@@ -2,7 +2,9 @@
 between ticks. An op's failure is its completion's status; it never affects
 a tick. Grammars and strategies are later issues: their ops answer
 Unsupported, but releasing an unknown handle is still UnknownHandle. The
-seed ops are in seed_ops.py."""
+seed ops are in seed_ops.py, the lane ops in lane_ops.py. An error message
+quotes at most ECHO_BYTES of any input value and is clipped whole here, so
+no input makes a completion big."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedR
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
 from superfluid.executor import sampling as hs
-from superfluid.executor.op_fields import OpError, field as _field, handle as _handle
+from superfluid.executor.op_fields import MAX_ERROR_BYTES, OpError, clip, echo
+from superfluid.executor.op_fields import field as _field, handle as _handle
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -27,13 +30,13 @@ def _op_kind(v: Any) -> OpKind:
         try:
             return OpKind[v.upper()]
         except KeyError:
-            raise OpError(OpStatus.UnknownOp, f"op {v[:64]!r} is not one of {', '.join(k.name for k in OpKind)}"
+            raise OpError(OpStatus.UnknownOp, f"op {echo(v)} is not one of {', '.join(k.name for k in OpKind)}"
                           ) from None
     if isinstance(v, int) and not isinstance(v, bool):
         try:
             return OpKind(v)
         except ValueError:
-            raise OpError(OpStatus.UnknownOp, f"op {v} is not an op code") from None
+            raise OpError(OpStatus.UnknownOp, f"op {echo(v)} is not an op code") from None
     raise OpError(OpStatus.BadRequest, f"field 'op': expected a name or a code, got {type(v).__name__}")
 
 
@@ -63,7 +66,7 @@ def run_op(ex, msg: dict | bytes) -> OpCompletion:
                             payload=payload)
     except OpError as e:
         return OpCompletion(op_id=op_id, status=int(e.status), op=int(kind),
-                            payload=msgpack.packb({"error": str(e)}))
+                            payload=msgpack.packb({"error": clip(str(e), MAX_ERROR_BYTES)}))
 
 
 def _describe(ex, msg: dict) -> tuple[int, int, bytes]:
@@ -95,12 +98,12 @@ def _register_bias(ex, msg: dict) -> tuple[int, int, bytes]:
         except (TypeError, ValueError):
             raise OpError(OpStatus.BadRequest, "field 'bias': entries are [token, value] pairs") from None
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < ex.desc.vocab_size:
-            raise OpError(OpStatus.BadRequest, f"field 'bias': token {tid!r} is outside the vocabulary")
+            raise OpError(OpStatus.BadRequest, f"field 'bias': token {echo(tid)} is outside the vocabulary")
         # Stored as float32: a value beyond its range would turn into +inf,
         # which greedy reads as "force" but the sampler as "never".
         if (not isinstance(val, (int, float)) or isinstance(val, bool) or math.isnan(val)
                 or (val != -math.inf and abs(val) > _F32_MAX)):
-            raise OpError(OpStatus.BadRequest, f"field 'bias': value {val!r} of token {tid} "
+            raise OpError(OpStatus.BadRequest, f"field 'bias': value {echo(val)} of token {tid} "
                                                f"(|v| <= {_F32_MAX:.4g}, or -inf to ban)")
         ids.append(tid)
         vals.append(float(val))
@@ -125,9 +128,9 @@ def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
     tag = _field(msg, "lane_tag", int)
     code = msg.get("code", int(Fault.INJECTED))
     if not isinstance(code, int) or code not in {int(f) for f in Fault}:
-        raise OpError(OpStatus.BadRequest, f"field 'code': {code!r} is not a fault code")
+        raise OpError(OpStatus.BadRequest, f"field 'code': {echo(code)} is not a fault code")
     if tag not in ex.lanes:
-        raise OpError(OpStatus.NoMatch, f"no live lane {tag}")
+        raise OpError(OpStatus.NoMatch, f"no live lane {echo(tag)}")
     ex.inject_fault[tag] = code
     return 0, tag, b""
 
@@ -165,7 +168,7 @@ def _release_unknown(what: str):
     return run
 
 
-from superfluid.executor import seed_ops  # noqa: E402 (it uses the field readers above)
+from superfluid.executor import lane_ops, seed_ops  # noqa: E402 (they use the field readers above)
 
 _OPS = {
     OpKind.DESCRIBE: _describe,
@@ -180,4 +183,6 @@ _OPS = {
     OpKind.INSTALL_STRATEGY: _unsupported("speculation strategies"),
     OpKind.EXPORT_ENTRY: seed_ops.export_entry,
     OpKind.IMPORT_STATE: seed_ops.import_state,
+    OpKind.LIST_LANES: lane_ops.list_lanes,
+    OpKind.RETIRE_LANES: lane_ops.retire_lanes,
 }

@@ -12,7 +12,7 @@ import msgpack
 
 from superfluid.abi import Determinism, OpStatus
 from superfluid.engine.runtime import CapacityError, FatalError, RuntimeFailure, Unsupported
-from superfluid.executor.op_fields import OpError, handle, tokens, u32
+from superfluid.executor.op_fields import OpError, echo, handle, tokens, u32
 from superfluid.executor.seeds import EnvelopeError, SeedLease, find_prefix, unwrap, wrap
 
 # What an op completion may carry inline when the event slot's size is not
@@ -91,7 +91,7 @@ def export_entry(ex, msg: dict) -> tuple[int, int, bytes]:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
         except OSError as err:
-            raise OpError(OpStatus.BadRequest, f"field 'path': cannot write {path[:200]!r}: {err.strerror}") from None
+            raise OpError(OpStatus.BadRequest, f"field 'path': cannot write {echo(path)}: {err.strerror}") from None
         return h, len(blob), b""
     if ex.event_capacity is not None and len(blob) + _MSGPACK_SLACK > ex.event_capacity // 2:
         raise OpError(OpStatus.BadRequest, f"the blob is {len(blob)} bytes, more than an op completion carries "
@@ -115,7 +115,7 @@ def _read_blob(msg: dict) -> bytes:
                 raise OpError(OpStatus.BadRequest, f"field 'path': the file is larger than {MAX_BLOB_FILE} bytes")
             return f.read()
     except OSError as err:
-        raise OpError(OpStatus.BadRequest, f"field 'path': cannot read {path[:200]!r}: {err.strerror}") from None
+        raise OpError(OpStatus.BadRequest, f"field 'path': cannot read {echo(path)}: {err.strerror}") from None
 
 
 def import_state(ex, msg: dict) -> tuple[int, int, bytes]:
@@ -128,7 +128,7 @@ def import_state(ex, msg: dict) -> tuple[int, int, bytes]:
     except EnvelopeError as err:
         raise OpError(OpStatus.BadRequest, f"field 'blob': {err}") from None
     if rid != ex.desc.runtime_id:
-        raise OpError(OpStatus.BadRequest, f"field 'blob': exported by runtime {rid[:64]!r}, this worker runs "
+        raise OpError(OpStatus.BadRequest, f"field 'blob': exported by runtime {echo(rid)}, this worker runs "
                                            f"{ex.desc.runtime_id!r}")
     if not ex.exact_only:  # the cache keeps whole pages on a paged runtime
         if len(toks) < ex.page:

@@ -3,9 +3,12 @@ evictions the check planned, retires (publish or free), cache settling,
 commits, then (admit.py) seed takeovers and admits, seeded or fresh, then
 prefill; decode and the events are in decode.py. Nothing here can reject: the check has made sure
 that everything fits, so a runtime failure is a lane's fault or fatal.
+The retires and the cache's upkeep (RetirePhase) also run op RETIRE_LANES.
 """
 
 from __future__ import annotations
+
+from typing import Collection
 
 import numpy as np
 
@@ -26,45 +29,18 @@ LATENCY_STEP_SECS = 0.3
 LATENCY_STEP_UNIT = 128
 
 
-class Tick(AdmitPhase, DecodePhase):
-    """One applied plan's working state."""
+class RetirePhase:
+    """Retires and the cache's upkeep: a plan's retire phase and op
+    RETIRE_LANES (between ticks) run this one code. Evictions become entries
+    of `shed`; `now` is the tick that a publish stamps (an op's: the next)."""
 
-    def __init__(self, ex, v: Verdict):
-        plan: TickPlan = v.plan
+    def __init__(self, ex, shed: list, now: int):
         self.ex = ex
         self.rt = ex.runtime
-        self.plan = plan
-        self.verdict = v
-        self.admit_results: list = []
-        self.faults: list = []
-        self.faulted_now: set[int] = set()
-        self.shed: list = list(ex.pending_shed)
-        self.chunks_dropped = 0
-        self.evictions = len(ex.pending_shed)
-        self.bytes_evicted = sum(e.bytes for e in ex.pending_shed)
-        ex.pending_shed = []
-        self.logprobs: list = []
-        self.rows: dict[int, np.ndarray] = {}
-        self.out_tokens: dict[int, list[int]] = {d.lane_tag: [] for d in plan.decodes}
-        self.finishes: dict[int, int] = {}
-        self.partial = bool(plan.flags & PlanFlag.PARTIAL_EMITS) and ex.partial_sink is not None
-        self.yielded = False
-        self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
-
-    # ----------------------------------------------------------- faults
-
-    def fault(self, tag: int, code: int, detail: int = 0) -> None:
-        if tag in self.faulted_now:
-            return
-        self.faulted_now.add(tag)
-        self.faults.append(LaneFaultRecord(lane_tag=tag, code=int(code), detail=detail))
-        self.ex.last_fault = (tag, int(code))
-        lane = self.ex.lanes.pop(tag, None)
-        if lane is not None:
-            self.free(lane.seq, "freeing a faulted lane")
-            self.ex.faulted.add(tag)
-        self.ex.inject_fault.pop(tag, None)
-        self.rows.pop(tag, None)
+        self.shed = shed
+        self.now = now
+        self.evictions = 0
+        self.bytes_evicted = 0
 
     def free(self, seq: int, during: str) -> None:
         """Free a sequence; only a fatal error matters (any other means the
@@ -76,25 +52,11 @@ class Tick(AdmitPhase, DecodePhase):
         except RuntimeFailure:
             pass
 
-    def step(self, feeds: list[Feed], tags: list[int], during: str) -> list[np.ndarray] | None:
-        """One runtime step; on a lane error its lanes fault and None returns."""
-        try:
-            return self.rt.step(feeds)
-        except RuntimeFailure as e:
-            code = lane_fault_code(e)
-            if code is None:
-                raise self.ex.fatal(during, e) from e
-            for tag in tags:
-                self.fault(tag, code)
-            return None
-
     def _shed_entry(self, tag: int, reason: int, nbytes: int, tokens: int) -> None:
         self.shed.append(ShedEntry(lane_tag=tag, kind=int(ShedKind.CACHE_EVICTION), reason=int(reason),
                                    bytes=nbytes, tokens=tokens))
         self.evictions += 1
         self.bytes_evicted += nbytes
-
-    # ----------------------------------------------------------- cache
 
     def evict(self, e: CacheEntry, reason: int) -> None:
         """The entry leaves the pool: to host memory where it can go, else gone."""
@@ -142,7 +104,7 @@ class Tick(AdmitPhase, DecodePhase):
         cover = [e for e in ex.cache.containing(key) if e.resident and (len(e.tokens) == key_len or not ex.exact_only)]
         if cover:
             for e in cover:
-                e.last_used = ex.tick_count  # the same cells are cached already
+                e.last_used = self.now  # the same cells are cached already
             return False
         if key_len < self.rt.seq_len(lane.seq):
             try:
@@ -156,33 +118,92 @@ class Tick(AdmitPhase, DecodePhase):
                 if e.resident and e.pins == 0 and not e.bare:
                     ex.cache.remove(e)
                     self.free(e.seq, "merging a cache entry")
-        ex.cache.insert(lane.seq, key, len(lane.prompt), ex.entry_bytes(key_len), ex.tick_count)
+        ex.cache.insert(lane.seq, key, len(lane.prompt), ex.entry_bytes(key_len), self.now)
         return True
 
-    # ----------------------------------------------------------- phases
-
-    def retires(self) -> None:
+    def retire(self, retires: list[tuple[int, bool]], unpublish: Collection[int] = ()) -> None:
+        """Retire (tag, publish) pairs, each a live or a faulted lane's;
+        `unpublish`: publishing retires the memory check evicted before they
+        were kept."""
         ex = self.ex
         publishing = []
         # Frees first: the memory check counted their cells as free for the
         # publishes' pending feeds, whatever the plan's order.
-        for r in self.plan.retires:
-            if r.lane_tag in ex.faulted:
-                ex.faulted.discard(r.lane_tag)
+        for tag, publish in retires:
+            if tag in ex.faulted:
+                ex.faulted.discard(tag)
                 continue
-            lane = ex.lanes.pop(r.lane_tag)
-            ex.inject_fault.pop(r.lane_tag, None)
-            if r.publish_to_cache and r.lane_tag in self.verdict.unpublish:
+            lane = ex.lanes.pop(tag)
+            ex.inject_fault.pop(tag, None)
+            if publish and tag in unpublish:
                 # Evicted before it was kept, to make room for this plan.
                 self._shed_entry(0, ShedReason.MEMORY, ex.entry_bytes(lane.ingested), lane.ingested)
                 self.free(lane.seq, "a retire")
-            elif r.publish_to_cache:
+            elif publish:
                 publishing.append(lane)
             else:
                 self.free(lane.seq, "a retire")
         for lane in publishing:
             if not self.publish(lane):
                 self.free(lane.seq, "a retire")
+
+
+class Tick(AdmitPhase, DecodePhase, RetirePhase):
+    """One applied plan's working state."""
+
+    def __init__(self, ex, v: Verdict):
+        plan: TickPlan = v.plan
+        # Evictions ops made since the last tick are reported in this one.
+        RetirePhase.__init__(self, ex, list(ex.pending_shed), ex.tick_count)
+        self.plan = plan
+        self.verdict = v
+        self.admit_results: list = []
+        self.faults: list = []
+        self.faulted_now: set[int] = set()
+        self.chunks_dropped = 0
+        self.evictions = len(ex.pending_shed)
+        self.bytes_evicted = sum(e.bytes for e in ex.pending_shed)
+        ex.pending_shed = []
+        self.logprobs: list = []
+        self.rows: dict[int, np.ndarray] = {}
+        self.out_tokens: dict[int, list[int]] = {d.lane_tag: [] for d in plan.decodes}
+        self.finishes: dict[int, int] = {}
+        self.partial = bool(plan.flags & PlanFlag.PARTIAL_EMITS) and ex.partial_sink is not None
+        self.yielded = False
+        self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
+
+    # ----------------------------------------------------------- faults
+
+    def fault(self, tag: int, code: int, detail: int = 0) -> None:
+        if tag in self.faulted_now:
+            return
+        self.faulted_now.add(tag)
+        self.faults.append(LaneFaultRecord(lane_tag=tag, code=int(code), detail=detail))
+        self.ex.last_fault = (tag, int(code))
+        lane = self.ex.lanes.pop(tag, None)
+        if lane is not None:
+            self.free(lane.seq, "freeing a faulted lane")
+            self.ex.faulted.keep(lane)  # its tag, and what LIST_LANES shows of it
+        self.ex.inject_fault.pop(tag, None)
+        self.rows.pop(tag, None)
+
+    def step(self, feeds: list[Feed], tags: list[int], during: str) -> list[np.ndarray] | None:
+        """One runtime step; on a lane error its lanes fault and None returns."""
+        try:
+            return self.rt.step(feeds)
+        except RuntimeFailure as e:
+            code = lane_fault_code(e)
+            if code is None:
+                raise self.ex.fatal(during, e) from e
+            for tag in tags:
+                self.fault(tag, code)
+            return None
+
+    # ----------------------------------------------------------- phases
+
+    def retires(self) -> None:
+        pairs = [(r.lane_tag, bool(r.publish_to_cache)) for r in self.plan.retires]
+        self.retire(pairs, self.verdict.unpublish)
 
     def commits(self) -> None:
         for c in self.plan.commits:

@@ -3,56 +3,210 @@ emits out, counters kept current for `superfluid status`.
 
 One thread: ops are drained before each plan (their completions ride in
 that tick's events); when no plan comes, pending completions go out at once
-as an OpEvents message. Every wait watches the segment's epoch and stop
-flag, so a worker the daemon replaced or stopped leaves on its own.
+as an OpEvents message.
+
+Nothing a planner writes into the segment stops this loop (SPEC §10):
+- the daemon's commands come over `Control`, not the header; the header's
+  epoch, state and pid are this worker's report, rewritten when wrong;
+- messages are served only for the header's session (`session_id`); an
+  earlier session's plans and ops are answered StaleSession, unrun;
+- impossible queue counters are reset and reported (QueueReset);
+- everything going out waits in an outbox: a planner that stops reading
+  blocks nothing but its own replies (the heartbeat goes on, ops are served
+  as room allows, `blocked_since_ns` says since when).
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import sys
 import time
 
-from superfluid.abi import WorkerState, codec, lib
-from superfluid.abi.records import OpEvents, PartialEmit
-from superfluid.engine.plan import PlanReject, decode_plan, encode_events_into, plan_seq_of
+import msgpack
+
+from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, lib
+from superfluid.abi.records import OpCompletion, OpEvents, PartialEmit, QueueReset, TickEvents
+from superfluid.engine.plan import PlanReject, decode_plan, plan_seq_of
+from superfluid.executor.control import Control
 from superfluid.executor.executor import Executor
-from superfluid.executor.rings import SegmentRings
-from superfluid.rings.errors import PeerGone, StopRequested
 from superfluid.rings.queue import DEFAULT_SPIN_NS, QueueTimeout
 
 # An idle worker sleeps on the plan queue; ops arrive on another queue, so it
 # looks at them this often (an op's completion waits at most this long).
 IDLE_SLICE_S = 0.005
+BLOCKED_SLICE_S = 0.05  # waiting for event room: heartbeat, ops and the daemon this often
+GEOMETRY_CHECK_S = 1.0  # how often the header's layout and geometry are put back
 PARTIAL_WAIT_S = 1.0  # a partial emit waits this long for room, then is dropped (counted)
+_COMPLETION = codec.CODECS["OpCompletion"].size
+_OP_EVENTS = codec.MSG_HEADER_BYTES + codec.align(codec.CODECS["OpEvents"].size)
+_QUEUES = (("plan", QueueKind.PLAN), ("op", QueueKind.OP), ("event", QueueKind.EVENT), ("stream", QueueKind.STREAM))
+
+
+class Stopped(Exception):
+    """The daemon asked this worker to stop."""
+
+
+def completion_bytes(c: OpCompletion) -> int:
+    return _COMPLETION + codec.align(len(c.payload))
+
+
+def _op_id(payload: bytes) -> int:
+    """The op_id of an op that will not run, best effort (0 when unreadable)."""
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        op_id = msg.get("op_id", 0) if isinstance(msg, dict) else 0
+    except Exception:  # garbage: the planner learns nothing from it anyway
+        return 0
+    return op_id if isinstance(op_id, int) and not isinstance(op_id, bool) and 0 <= op_id < 1 << 64 else 0
 
 
 class Worker:
-    def __init__(self, segment, executor: Executor, *, epoch: int):
+    def __init__(self, segment, executor: Executor, *, epoch: int, control: Control | None = None,
+                 metrics=None):
         self.seg = segment
         self.ex = executor
         self.epoch = epoch
+        self.control = control or Control()
+        self.metrics = metrics
+        self.pid = os.getpid()
+        self.session = 0  # the session being served (its messages' MsgHeader.session)
         self.partial_dropped = 0
         self._stalled_plan: int | None = None  # the tick whose partial emits found no room
+        self._outbox: collections.deque[tuple[str, object, int]] = collections.deque()
+        self._comp_session = 0  # whose ops the pending completions answer
+        self._blocked_since = 0
+        self._geometry_at = 0.0
+        self.slot_bytes = segment.event_queue.slot_bytes
         executor.partial_sink = self._partial
-        executor.event_capacity = segment.event_queue.slot_bytes
+        executor.event_capacity = self.slot_bytes
+
+    # ------------------------------------------------------------- output
 
     def _partial(self, plan_seq: int, lane_tag: int, token: int, index: int) -> None:
         # A planner not reading its stream must not stall the tick: wait for room
         # once a tick, then drop (counted) without waiting.
         wait = 0.0 if plan_seq == self._stalled_plan else PARTIAL_WAIT_S
         try:
-            self.seg.stream_queue.send("PartialEmit", PartialEmit(plan_seq, lane_tag, token, index), timeout=wait)
+            self.seg.stream_queue.send("PartialEmit", PartialEmit(plan_seq, lane_tag, token, index), timeout=wait,
+                                       session=self.session)
         except QueueTimeout:
             self.partial_dropped += 1
             self._stalled_plan = plan_seq
 
-    def _send(self, name: str, record) -> None:
-        slot = self.seg.event_queue.reserve(None, epoch=self.epoch, watch_stop=True)
-        codec.encode_into(slot, name, record)
-        self.seg.event_queue.publish()
+    def _emit_events(self, ev: TickEvents, session: int) -> None:
+        """The tick's events, with as many of its op completions as fit the
+        slot; the rest follow as OpEvents."""
+        comps = ev.op_completions
+        if not comps:
+            self._outbox.append(("TickEvents", ev, session))
+            return
+        size = len(codec.encode("TickEvents", ev._replace(op_completions=())))
+        room = self.slot_bytes - size
+        keep = 0
+        for c in comps:
+            n = completion_bytes(c)
+            if n > room:
+                break
+            room -= n
+            keep += 1
+        self._outbox.append(("TickEvents", ev._replace(op_completions=comps[:keep]) if keep < len(comps) else ev,
+                             session))
+        if keep < len(comps):
+            self._emit_completions(list(comps[keep:]), session)
+
+    def _emit_completions(self, comps: list, session: int) -> None:
+        """OpEvents messages, each filling a slot; a completion too big for
+        any slot is answered Capacity instead (nothing is dropped silently)."""
+        chunk: list = []
+        room = self.slot_bytes - _OP_EVENTS
+        for c in comps:
+            n = completion_bytes(c)
+            if n > self.slot_bytes - _OP_EVENTS:
+                c = c._replace(status=int(OpStatus.Capacity), handle=0, value=0, payload=msgpack.packb(
+                    {"error": f"a completion of {len(c.payload)} bytes does not fit an events slot"}))
+                n = completion_bytes(c)
+            if n > room and chunk:
+                self._outbox.append(("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(chunk)),
+                                     session))
+                chunk, room = [], self.slot_bytes - _OP_EVENTS
+            chunk.append(c)
+            room -= n
+        if chunk:
+            self._outbox.append(("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(chunk)), session))
+        if self.metrics is not None:
+            self.metrics.ops(comps)
 
     def _flush_ops(self) -> None:
-        self._send("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(self.ex._take_completions())))
+        if self.ex.completions:
+            self._emit_completions(self.ex._take_completions(), self._comp_session)
+
+    def _flush(self) -> None:
+        """Publish the outbox, waiting for room as long as it takes: the
+        heartbeat, ops and the daemon's channel are served meanwhile."""
+        q = self.seg.event_queue
+        while self._outbox:
+            slot = q.try_reserve()
+            if slot is None:
+                self._while_blocked()
+                try:
+                    q.wait_writable(BLOCKED_SLICE_S, spin_ns=0)
+                except QueueTimeout:
+                    pass
+                continue
+            name, record, session = self._outbox[0]
+            codec.encode_into(slot, name, record, session=session)
+            q.publish()
+            self._outbox.popleft()
+        if self._blocked_since:
+            self._blocked_since = 0
+            self.seg.counters.blocked_since_ns = 0
+            if self.metrics is not None:
+                self.metrics.blocked(0)
+
+    def _while_blocked(self) -> None:
+        if not self._blocked_since:
+            self._blocked_since = lib.sf_monotonic_ns()
+            self.seg.counters.blocked_since_ns = self._blocked_since
+            if self.metrics is not None:
+                self.metrics.blocked(self._blocked_since)
+        if self.control.stop_requested():
+            raise Stopped()
+        self._guard()
+        self._drain_ops(room=self.slot_bytes)
+        self._counters()
+
+    # ----------------------------------------------------------- guarding
+
+    def _guard(self) -> None:
+        """Reset a queue whose counters no live peer could have made."""
+        for name, kind in _QUEUES:
+            q = self.seg.queues[name]
+            if q.sane():
+                continue
+            head, tail = q.head, q.tail
+            to = q.reset()
+            self.seg.counters.queue_resets += 1
+            print(f"superfluid worker: the {name} queue had head {head} and tail {tail} (impossible: "
+                  f"{q.n_slots} slots); reset both to {to}", file=sys.stderr)
+            self._outbox.appendleft(("QueueReset", QueueReset(worker_epoch=self.epoch, queue=int(kind), head=head,
+                                                              tail=tail, reset_to=to), 0))
+
+    def _report(self) -> None:
+        """The header's worker fields are this worker's report: put back
+        what someone else wrote there."""
+        seg, h = self.seg, self.seg.header
+        if seg.epoch != self.epoch:
+            seg.set_epoch(self.epoch)
+        if seg.worker_state != WorkerState.READY:
+            seg.set_worker_state(WorkerState.READY)
+        if h.worker_pid != self.pid:
+            h.worker_pid = self.pid
+        now = time.monotonic()
+        if now - self._geometry_at >= GEOMETRY_CHECK_S:
+            self._geometry_at = now
+            for fix in seg.repair_geometry():
+                print(f"superfluid worker: segment header repaired: {fix}", file=sys.stderr)
 
     def _counters(self) -> None:
         c = self.seg.counters
@@ -64,68 +218,126 @@ class Worker:
         c.cache_entries = len(ex.cache)
         c.cache_bytes = ex.cache.resident_bytes
         c.tokens_emitted = ex.tokens_emitted
+        c.session_id = self.session
         if ex.last_fault is not None:
             c.last_fault_lane, c.last_fault_code = ex.last_fault
         c.heartbeat_ns = lib.sf_monotonic_ns()
+        self._report()
+        if self.metrics is not None:
+            self.metrics.gauges(lanes_live=len(ex.lanes), cache_entries=len(ex.cache),
+                                cache_bytes=ex.cache.resident_bytes, cache_hit_tokens=ex.seeded_tokens)
 
-    def _drain_ops(self) -> None:
+    # ------------------------------------------------------------ sessions
+
+    def _current(self, session: int) -> bool:
+        """Whether a message of `session` is to be served; a first message of
+        the header's new session starts it."""
+        if session != self.seg.session_id:
+            return False
+        if session != self.session:
+            self._flush_ops()  # the last session's completions are its own
+            self.session = session
+            self.ex.session = session
+            self.ex.last_plan_seq = None  # plan_seq starts afresh: no session waits on another's
+        return True
+
+    def _stale(self, what: str, session: int) -> str:
+        self.seg.counters.stale_messages += 1
+        return (f"{what} of session {session}: session {self.seg.session_id} holds this worker now "
+                f"(an earlier planner's message, not run)")
+
+    # ----------------------------------------------------------------- ops
+
+    def _drain_ops(self, room: int | None = None) -> None:
+        """Run the queued ops. `room`: stop once the pending completions
+        would fill that many bytes (they cannot go out yet)."""
         q = self.seg.op_queue
+        stale: dict[int, list] = {}
         while (slot := q.try_peek()) is not None:
+            if room is not None and sum(map(completion_bytes, self.ex.completions)) >= room:
+                break
+            session = codec.session_of(slot)
             try:
                 payload = codec.raw_payload(slot)
             except codec.CodecError as e:
-                payload = repr(e).encode()  # not msgpack: the op answers BadRequest
+                payload = repr(e)[:ECHO_BYTES].encode()  # not msgpack: the op answers BadRequest
             finally:
                 q.release()
+            if not self._current(session):
+                stale.setdefault(session, []).append(OpCompletion(
+                    op_id=_op_id(payload), status=int(OpStatus.StaleSession),
+                    payload=msgpack.packb({"error": self._stale("op", session)})))
+                continue
+            self._comp_session = session
             self.ex.op(payload, queue=True)
+        for session, comps in stale.items():
+            self._emit_completions(comps, session)
 
-    def _tick(self, slot) -> None:
-        try:
-            plan = decode_plan(slot)
-        except PlanReject as r:
+    # --------------------------------------------------------------- plans
+
+    def _plan(self, slot) -> None:
+        session = codec.session_of(slot)
+        plan = None
+        if not self._current(session):
             seq = plan_seq_of(slot)
             self.seg.plan_queue.release()
-            self.ex.rejects += 1
-            res = self.ex._refused(seq, r.status, r.field, r.message)
+            ev = TickEvents(plan_seq=seq, status=int(Status.StaleSession), worker_epoch=self.epoch,
+                            message=self._stale("plan", session).encode())
         else:
-            self.seg.plan_queue.release()  # decoded: the planner may queue the next plan now
-            res = self.ex.tick(plan)
+            try:
+                plan = decode_plan(slot)
+            except PlanReject as r:
+                seq = plan_seq_of(slot)
+                self.seg.plan_queue.release()
+                self.ex.rejects += 1
+                ev = self.ex._refused(seq, r.status, r.field, r.message).events
+            else:
+                self.seg.plan_queue.release()  # decoded: the planner may queue the next plan now
+                ev = self.ex.tick(plan).events
         self._counters()  # before the events go out: a planner that sees them sees the counters too
-        slot = self.seg.event_queue.reserve(None, epoch=self.epoch, watch_stop=True)
-        encode_events_into(slot, res.events)
-        self.seg.event_queue.publish()
+        if self.metrics is not None:
+            self.metrics.tick(plan, ev)
+        self._emit_events(ev, session)
+        self._flush()
 
     def run(self) -> int:
-        """Serve until stopped (0) or replaced (0); a fatal runtime error exits
+        """Serve until the daemon says stop (0); a fatal runtime error exits
         the process with 70 from inside the executor."""
         seg = self.seg
-        seg.header.worker_pid = os.getpid()
+        seg.header.worker_pid = self.pid
         seg.runtime = self.ex.desc.to_record()
-        seg.set_worker_state(WorkerState.READY)
+        self._report()
         plans = seg.plan_queue
         spin = DEFAULT_SPIN_NS  # right after a tick the next plan often follows: spin for it first
         try:
             while True:
-                if seg.stop_requested:  # a wait sees it only when the queue runs dry
-                    raise StopRequested("the daemon asked the worker to stop")
+                if self.control.stop_requested():
+                    raise Stopped()
+                self._guard()
                 self._drain_ops()
                 if self.ex.completions and plans.try_peek() is None:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
+                self._flush()
                 try:
-                    slot = plans.peek(IDLE_SLICE_S, epoch=self.epoch, watch_stop=True, spin_ns=spin)
+                    slot = plans.peek(IDLE_SLICE_S, spin_ns=spin)
                 except QueueTimeout:
                     spin = 0  # idle: sleep, do not burn a core
                     self._counters()
                     continue
                 spin = DEFAULT_SPIN_NS
                 self._drain_ops()
-                self._tick(slot)
-        except StopRequested:
-            self._counters()
+                self._plan(slot)
+        except Stopped:
+            seg.set_worker_state(WorkerState.STOPPING)
+            self._counters_final()
             seg.set_worker_state(WorkerState.STOPPED)
+            print(f"superfluid worker: stopping ({self.control.why or 'asked'})", file=sys.stderr)
             return 0
-        except PeerGone:
-            return 0  # the daemon moved on to another epoch: this worker is stale
+
+    def _counters_final(self) -> None:
+        c = self.seg.counters
+        c.ticks, c.rejects, c.tokens_emitted = self.ex.tick_count, self.ex.rejects, self.ex.tokens_emitted
+        c.heartbeat_ns = lib.sf_monotonic_ns()
 
 
 def wait_ready(segment, epoch: int, timeout: float) -> None:
@@ -135,4 +347,3 @@ def wait_ready(segment, epoch: int, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker {segment.index} not ready after {timeout}s")
         time.sleep(0.01)
-

@@ -162,7 +162,7 @@ def seed_plans() -> list[TickPlan]:
     b.retire(11).retire(21, publish_to_cache=True).retire(22)
     plans.append(b.build())
 
-    b = PlanBuilder(2**63, flags=PlanFlag.PARTIAL_EMITS, max_decode_lanes=4, prefill_token_budget=128,
+    b = PlanBuilder(2**63 - 1, flags=PlanFlag.PARTIAL_EMITS, max_decode_lanes=4, prefill_token_budget=128,
                     evictable_cache_classes=CacheClass.RESIDENT_PREFIX_CLASS, max_evict_bytes=1 << 30,
                     protected_quota_bytes=1 << 20)
     b.retire(1, publish_to_cache=True)

@@ -36,10 +36,16 @@ class DataRing:
 
     __slots__ = ("_seg", "_view", "ring_id", "dtype", "capacity", "_ref_out")
 
-    def __init__(self, seg, base_ptr, nbytes: int):
+    def __init__(self, seg, base_ptr, nbytes: int, geometry: tuple[int, int] | None = None):
+        """`geometry`: (ring_id, capacity) known from elsewhere, used and
+        written over the shared header (see SlotQueue)."""
         self._seg = seg
         self._view = ffi.new("RingView *")
-        if lib.sf_ring_attach(self._view, base_ptr, nbytes) != 0:
+        if geometry is None:
+            ok = lib.sf_ring_attach(self._view, base_ptr, nbytes) == 0
+        else:
+            ok = lib.sf_ring_attach_as(self._view, base_ptr, nbytes, *geometry) == 0
+        if not ok:
             raise ValueError("data ring header does not fit its region")
         self.ring_id = RingId(self._view.ring_id)
         self.dtype = ELEMENT_DTYPE[self.ring_id]

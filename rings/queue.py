@@ -46,11 +46,18 @@ class SlotQueue:
 
     __slots__ = ("_seg", "_view", "name", "n_slots", "slot_bytes", "_slots")
 
-    def __init__(self, seg, base_ptr, nbytes: int, name: str):
+    def __init__(self, seg, base_ptr, nbytes: int, name: str, geometry: tuple[int, int] | None = None):
+        """`geometry`: (n_slots, slot_bytes) known from elsewhere (the worker,
+        told by the daemon): used, and written over the shared header, so what
+        a planner writes there cannot move an index."""
         self._seg = seg
         self.name = name
         self._view = ffi.new("QueueView *")
-        if lib.sf_queue_attach(self._view, base_ptr, nbytes) != 0:
+        if geometry is None:
+            ok = lib.sf_queue_attach(self._view, base_ptr, nbytes) == 0
+        else:
+            ok = lib.sf_queue_attach_as(self._view, base_ptr, nbytes, *geometry) == 0
+        if not ok:
             raise ValueError(f"{name} queue header does not fit its region")
         self.n_slots = int(self._view.n_slots)
         self.slot_bytes = sb = int(self._view.slot_bytes)
@@ -119,6 +126,19 @@ class SlotQueue:
             raise self._closed()
         lib.sf_queue_wake_all(self._view)
 
+    def sane(self) -> bool:
+        """False when the counters are impossible (head - tail > n_slots, or
+        tail past head): only a corrupting peer makes them so."""
+        if self._seg.closed:
+            raise self._closed()
+        return bool(lib.sf_queue_sane(self._view))
+
+    def reset(self) -> int:
+        """tail := head: the queue is empty; returns that counter."""
+        if self._seg.closed:
+            raise self._closed()
+        return int(lib.sf_queue_reset(self._view))
+
     def discard_unread(self) -> int:
         """Drop every published, unread message (tail := head); how many.
         Only for whoever stands in for a consumer that is gone (the daemon,
@@ -185,20 +205,20 @@ class SlotQueue:
     # ------------------------------------------------------------ messages
 
     def send(self, name: str, record: Any, *, kind: int | None = None, timeout: float | None = None,
-             epoch: int | None = None) -> int:
+             epoch: int | None = None, session: int = 0) -> int:
         """Encode a record (TickPlan, TickEvents, ...) straight into the next
         slot and publish it; waits while the queue is full. Returns bytes."""
-        n = codec.encode_into(self.reserve(timeout, epoch=epoch), name, record, kind)
+        n = codec.encode_into(self.reserve(timeout, epoch=epoch), name, record, kind, session)
         _publish(self._view)
         return n
 
     def send_bytes(self, kind: int, payload: bytes, *, timeout: float | None = None,
-                   epoch: int | None = None) -> None:
+                   epoch: int | None = None, session: int = 0) -> None:
         """A raw message (e.g. an op's msgpack body): MsgHeader + payload."""
         if codec.MSG_HEADER_BYTES + len(payload) > self.slot_bytes:
             raise codec.EncodeError(
                 f"{self.name} queue: {len(payload)} bytes do not fit a {self.slot_bytes}-byte slot")
-        codec.write_raw(self.reserve(timeout, epoch=epoch), kind, payload)
+        codec.write_raw(self.reserve(timeout, epoch=epoch), kind, payload, session)
         _publish(self._view)
 
     def recv(self, name: str, *, kind: int | None = None, timeout: float | None = None,

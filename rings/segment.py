@@ -5,11 +5,16 @@ a SegmentHeader, four slot queues (plan, event, op, stream) and three data
 rings (prompt, tokens, logits). The daemon creates it and unlinks it on a
 clean shutdown; the worker and the planner open it and check the owner,
 mode, magic, ABI version and geometry before trusting a byte of it.
+
+A planner can write every byte of it. So the worker opens it with the
+geometry the daemon told it (`config`), not the one the header says, and
+the daemon `repair()`s the header before every worker start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import mmap
 import os
 import re
@@ -17,7 +22,7 @@ import stat
 import time
 from typing import Any
 
-from superfluid.abi import ABI_VERSION, CACHE_LINE, MAGIC, RingId, WorkerState, ffi, lib
+from superfluid.abi import ABI_VERSION, CACHE_LINE, MAGIC, Connect, RingId, WorkerState, ffi, lib
 from superfluid.abi.records import RuntimeDesc
 from superfluid.rings.data import DataRing
 from superfluid.rings.errors import SegmentClosed, SegmentError
@@ -72,6 +77,19 @@ class SegmentConfig:
             if b % CACHE_LINE or b >= 1 << 32:
                 raise SegmentError(f"SegmentConfig.{q}_slot_bytes = {b}: a multiple of {CACHE_LINE} below 4 GiB")
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SegmentConfig":
+        try:
+            raw = json.loads(text)
+            cfg = cls(**raw)
+        except (ValueError, TypeError) as e:
+            raise SegmentError(f"segment config {text[:80]!r}: {e}") from None
+        cfg.check()
+        return cfg
+
 
 _MAX_SIZE = 1 << 36  # slots, slot bytes or ring elements: far above any real segment
 
@@ -100,11 +118,13 @@ def _plan_layout(cfg: SegmentConfig) -> tuple[dict[str, int], int]:
 class Segment:
     """A mapped segment. Use Segment.create (the daemon) or Segment.open."""
 
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: bool, config: SegmentConfig | None = None):
         self.path = path
         self._fd = fd
         self._mm = mm
         self._owner = owner
+        self.config = config  # the geometry to use whatever the header says (None: the header's)
+        self.made_as: tuple[str, int] | None = None  # (name, index) when this process made it
         self._base = ffi.from_buffer(mm)
         self.header = ffi.cast("SegmentHeader *", self._base)
         self.size = len(mm)
@@ -155,7 +175,9 @@ class Segment:
             mm.close()
             os.close(fd)
             raise
-        return cls(path, fd, mm, owner=True)  # on failure it unmaps and closes itself
+        seg = cls(path, fd, mm, owner=True, config=cfg)  # on failure it unmaps and closes itself
+        seg.made_as = (name, index)
+        return seg
 
     @staticmethod
     def _fill(mm: mmap.mmap, name: str, index: int, cfg: SegmentConfig, offsets: dict[str, int],
@@ -195,7 +217,10 @@ class Segment:
         return seg
 
     @classmethod
-    def open_path(cls, path: str) -> "Segment":
+    def open_path(cls, path: str, config: SegmentConfig | None = None) -> "Segment":
+        """`config`: the geometry the daemon made it with (the worker's way):
+        queues and rings are attached with it and the header's copy of it is
+        rewritten; None trusts the header's (after checking it)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -216,22 +241,20 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, owner=False)  # on failure it unmaps and closes itself
+        return cls(path, fd, mm, owner=False, config=config)  # on failure it unmaps and closes itself
 
     def _attach(self) -> None:
         h = self.header
         try:
-            magic = lib.sf_load_acquire_u64(ffi.addressof(h, "magic"))
-            if magic != MAGIC:
-                raise SegmentError(f"{self.path}: magic {magic:#018x}, expected {MAGIC:#018x} (not a segment)")
-            if h.abi_version != ABI_VERSION:
-                raise SegmentError(f"{self.path}: ABI version {h.abi_version}, this build speaks {ABI_VERSION}")
-            if h.header_bytes != HEADER_BYTES:
-                raise SegmentError(f"{self.path}: header of {h.header_bytes} bytes, expected {HEADER_BYTES}")
-            if h.segment_bytes != self.size:
-                raise SegmentError(f"{self.path}: header says {h.segment_bytes} bytes, the file has {self.size}")
-            if h.owner_uid != os.geteuid():
-                raise SegmentError(f"{self.path}: made by uid {h.owner_uid}, not by this user")
+            if self.config is not None:
+                self._trusted_identity()
+            self._check_identity()
+            if self.config is not None:
+                offsets, size = _plan_layout(self.config)
+                if size != self.size:
+                    raise SegmentError(f"{self.path}: {self.size} bytes, but its config makes {size}")
+                for k, v in offsets.items():
+                    setattr(h.layout, k, v)
             self.queues = {q: self._region(q, "queue") for q in _QUEUES}
             self.rings = {r: self._region(r, "ring") for r, _, _ in _RINGS}
             self._check_layout()
@@ -247,15 +270,45 @@ class Segment:
         self.logits_ring: DataRing = self.rings["logits"]
         self.rings_by_id = {r.ring_id: r for r in self.rings.values()}
 
+    def _check_identity(self) -> None:
+        """sf_segment_check, with a message that says what was found."""
+        h = self.header
+        code = lib.sf_segment_check(h, self.size)
+        if code == Connect.OK:
+            return
+        if code == Connect.MAGIC:
+            magic = lib.sf_load_acquire_u64(ffi.addressof(h, "magic"))
+            raise SegmentError(f"{self.path}: magic {magic:#018x}, expected {MAGIC:#018x} (not a segment)")
+        if code == Connect.ABI:
+            if h.abi_version != ABI_VERSION:
+                raise SegmentError(f"{self.path}: ABI version {h.abi_version}, this build speaks {ABI_VERSION}")
+            raise SegmentError(f"{self.path}: header of {h.header_bytes} bytes, expected {HEADER_BYTES}")
+        if code == Connect.SIZE:
+            raise SegmentError(f"{self.path}: header says {h.segment_bytes} bytes, the file has {self.size}")
+        if code == Connect.OWNER:
+            raise SegmentError(f"{self.path}: made by uid {h.owner_uid}, not by this user")
+        raise SegmentError(f"{self.path}: not a segment (check {Connect(code).name})")
+
+    def _trusted_identity(self) -> None:
+        """The worker knows what the segment is: it rewrites line 0 rather
+        than refusing a header a planner scribbled on. The file's owner and
+        size were checked by open_path; the magic stays the mark of a made one."""
+        h = self.header
+        if lib.sf_load_acquire_u64(ffi.addressof(h, "magic")) != MAGIC:
+            return  # never made into a segment: refuse it below
+        h.abi_version = ABI_VERSION
+        h.header_bytes = HEADER_BYTES
+        h.segment_bytes = self.size
+        h.owner_uid = os.geteuid()
+
     def _check_layout(self) -> None:
-        """Regions apart, each ring the one its place says, queue counters sane."""
+        """Regions apart and each ring the one its place says. Impossible
+        queue counters are not a reason to refuse a segment: the worker
+        resets them and says so (a QueueReset on the event queue)."""
         spans = []
         for q, sq in self.queues.items():
             off = getattr(self.header.layout, f"{q}_queue")
             spans.append((off, off + lib.sf_queue_bytes(sq.n_slots, sq.slot_bytes), f"{q}_queue"))
-            tail = sq.tail  # tail first: both only grow, so tail <= head holds in a live queue
-            if tail > sq.head:
-                raise SegmentError(f"{self.path}: {q} queue's tail {tail} is past its head {sq.head}")
         for (r, rid, _), ring in zip(_RINGS, self.rings.values()):
             if ring.ring_id != rid:
                 raise SegmentError(f"{self.path}: the {r} ring says it is ring {ring.ring_id}, expected {int(rid)}")
@@ -271,10 +324,13 @@ class Segment:
         minimum = QUEUE_HEADER_BYTES if what == "queue" else RING_HEADER_BYTES
         if off % CACHE_LINE or off < HEADER_BYTES or off > self.size - minimum:
             raise SegmentError(f"{self.path}: layout.{name}_{what} = {off} is outside the segment")
+        cfg = self.config
         try:
             if what == "queue":
-                return SlotQueue(self, self._base + off, self.size - off, name)
-            return DataRing(self, self._base + off, self.size - off)
+                geo = None if cfg is None else (getattr(cfg, f"{name}_slots"), getattr(cfg, f"{name}_slot_bytes"))
+                return SlotQueue(self, self._base + off, self.size - off, name, geo)
+            geo = None if cfg is None else next((int(rid), getattr(cfg, cap)) for r, rid, cap in _RINGS if r == name)
+            return DataRing(self, self._base + off, self.size - off, geo)
         except ValueError as e:
             raise SegmentError(f"{self.path}: {e}") from None
 
@@ -336,10 +392,11 @@ class Segment:
         return WorkerState(self._u32("worker_state"))
 
     def set_worker_state(self, state: int) -> None:
-        h = self._live()
-        h.state_changed_ns = lib.sf_monotonic_ns()
-        self._set_u32("worker_state", int(state))
+        lib.sf_set_worker_state(self._live(), int(state))  # wakes sf_wait_ready sleepers
         self.wake_all()
+
+    def set_epoch(self, epoch: int) -> None:
+        lib.sf_store_release_u64(ffi.addressof(self._live(), "worker_epoch"), epoch)
 
     def bump_epoch(self, state: int = WorkerState.STARTING) -> int:
         """A new worker generation (the daemon, before (re)starting a
@@ -370,13 +427,37 @@ class Segment:
         return bool(self._u32("stop_requested"))
 
     def request_stop(self, stop: bool = True) -> None:
+        """The daemon's report that it is shutting down (planner waits with
+        watch_stop see it). Workers do not read it: their stop comes over
+        the daemon's pipe."""
         self._set_u32("stop_requested", int(stop))
         self.wake_all()
+
+    @property
+    def session_id(self) -> int:
+        """The connected planner's session (0: none began one)."""
+        return lib.sf_load_acquire_u64(ffi.addressof(self._live(), "session_id"))
+
+    def begin_session(self) -> int:
+        """A new session (sf_session_begin): its id, never 0."""
+        return int(lib.sf_session_begin(self._live()))
 
     def wake_all(self) -> None:
         """Wake every sleeper on every queue (they re-check epoch and state)."""
         for q in self.queues.values():
             q.wake_all()
+
+    def repair(self, *, fault_injection: bool = False) -> list[str]:
+        """The daemon, before a worker start: see rings/repair.py."""
+        from superfluid.rings.repair import repair
+
+        return repair(self, fault_injection=fault_injection)
+
+    def repair_geometry(self) -> list[str]:
+        """The worker, now and then: see rings/repair.py."""
+        from superfluid.rings.repair import repair_geometry
+
+        return repair_geometry(self)
 
     @property
     def runtime(self) -> RuntimeDesc:

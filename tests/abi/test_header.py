@@ -75,7 +75,7 @@ def test_records_are_multiples_of_eight_bytes(name):
 def test_hot_fields_sit_on_their_own_cache_lines():
     line = lib.SF_CACHE_LINE
     off = {f: ffi.offsetof("SegmentHeader", f) for f in ("worker_epoch", "yield_requested", "latency_wanted",
-                                                          "stop_requested", "runtime")}
+                                                          "session_id", "runtime")}
     assert sorted(v // line for v in off.values()) == [1, 2, 3, 4, 5]
     assert ffi.offsetof("Queue", "tail") - ffi.offsetof("Queue", "head") == line
     assert ffi.offsetof("Queue", "consumer_sleeping") == 2 * line
@@ -84,7 +84,7 @@ def test_hot_fields_sit_on_their_own_cache_lines():
 def test_enums_come_from_the_header():
     assert abi.Status.OK == 0 and abi.Status.RejectBadRefGeneration == lib.SF_STATUS_RejectBadRefGeneration
     spec_statuses = ("OK RejectIllegalCombination RejectBudget RejectBounds RejectUnknownLane RejectHostRules "
-                     "RejectStaleNonce RejectStaleSeed RejectBadRefGeneration NeedsReplan Fatal").split()
+                     "RejectStaleNonce RejectStaleSeed RejectBadRefGeneration NeedsReplan Fatal StaleSession").split()
     assert [s.name for s in abi.Status] == spec_statuses
     assert [s.name for s in abi.Sampling] == ["GPU_GREEDY", "GPU_SAMPLE", "HOST"]
     assert {f.name for f in abi.Finish} == {"NONE", "EOS", "LENGTH", "GRAMMAR"}

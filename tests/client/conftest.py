@@ -115,7 +115,7 @@ class WorkerProcess:
     def close(self) -> None:
         if self.pid is not None:
             os.kill(self.pid, signal.SIGCONT)  # in case a test left it stopped
-            self.seg.request_stop()
+            os.kill(self.pid, signal.SIGTERM)  # no daemon channel: SIGTERM is the stop
             deadline = time.monotonic() + 10
             while self.zygote.call("poll", self.pid)["status"] is None:
                 if time.monotonic() > deadline:

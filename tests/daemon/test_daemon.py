@@ -162,8 +162,8 @@ def test_serve_status_restart_and_sigterm(serve: Callable[..., Serve], seg_name:
     # Prometheus endpoint
     port = int(d.log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert f'superfluid_worker_ticks_total{{name="{seg_name}",worker="0"}} 0' in body
-    assert f'superfluid_worker_up{{name="{seg_name}",worker="0"}} 1' in body
+    assert f'superfluid_worker_ticks_total{{daemon="{seg_name}",worker="0"}} 0' in body
+    assert f'superfluid_worker_up{{daemon="{seg_name}",worker="0"}} 1.0' in body
 
     # A second daemon of the same name must not replace a live one's segments.
     with pytest.raises(SegmentError, match="is running"):

@@ -8,7 +8,7 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from superfluid.abi import MAX_TOP_LOGPROBS, ParamFlag, PlanFlag, Status, codec, ffi
+from superfluid.abi import MAX_TOP_LOGPROBS, PLAN_SEQ_MAX, ParamFlag, PlanFlag, Status, codec, ffi
 from superfluid.abi.records import LaneAdmit, LaneRetire, RingRef, SamplingParams, TickEvents
 from superfluid.client import PlanBuilder, sampling_params
 from superfluid.engine.plan import PlanReject, decode_events, decode_plan, encode_events_into, plan_seq_of, reject_events
@@ -57,6 +57,13 @@ def test_duplicate_lane_tags_in_any_list(kind):
 
 def test_the_same_tag_in_different_lists_is_fine():
     decode_plan(PlanBuilder(1).admit(5, PROMPT).prefill(5, 0, 4).decode(5, 1).encode())
+
+
+@pytest.mark.parametrize("seq", [PLAN_SEQ_MAX + 1, (1 << 64) - 1])
+def test_plan_seq_above_its_range(seq):
+    # A value nothing can follow would lock the session: refused, not applied.
+    _reject(PlanBuilder(seq), Status.RejectBounds, "TickPlan.plan_seq")
+    assert decode_plan(PlanBuilder(PLAN_SEQ_MAX).encode()).plan_seq == PLAN_SEQ_MAX
 
 
 def test_unknown_plan_flags():

@@ -5,13 +5,14 @@ request, and a fatal runtime error exiting 70."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 
 import msgpack
 import pytest
 
 from superfluid.abi import MsgKind, OpStatus, PlanFlag, Status, WorkerState, codec
 from superfluid.client import PlanBuilder
-from superfluid.engine.plan import decode_events
+from superfluid.executor.control import STOP
 from superfluid.rings.segment import Segment, SegmentConfig
 
 FORK = mp.get_context("fork")
@@ -20,9 +21,10 @@ CFG = SegmentConfig(plan_slots=4, plan_slot_bytes=16384, event_slots=4, event_sl
                     logits_floats=1 << 14)
 
 
-def _serve(name: str, epoch: int, fatal_after: int | None, fault_injection: bool) -> None:
+def _serve(name: str, epoch: int, fatal_after: int | None, fault_injection: bool, control_fd: int) -> None:
     from superfluid.engine.fake import FakeRuntime
     from superfluid.executor import Executor, SegmentRings
+    from superfluid.executor.control import Control
     from superfluid.executor.worker import Worker
 
     seg = Segment.open(name, 0)
@@ -30,7 +32,7 @@ def _serve(name: str, epoch: int, fatal_after: int | None, fault_injection: bool
     if fatal_after is not None:
         rt.inject_fatal(on="step", times=1)
     ex = Executor(rt, SegmentRings(seg), epoch=epoch, fatal_exit=True, fault_injection=fault_injection)
-    raise SystemExit(Worker(seg, ex, epoch=epoch).run())
+    raise SystemExit(Worker(seg, ex, epoch=epoch, control=Control(control_fd)).run())
 
 
 @pytest.fixture
@@ -40,8 +42,11 @@ def worker(seg_name):
     def start(*, fatal_after=None, fault_injection=False):
         seg = Segment.create(seg_name, 0, CFG)
         epoch = seg.bump_epoch()
-        p = FORK.Process(target=_serve, args=(seg_name, epoch, fatal_after, fault_injection))
+        ours, theirs = socket.socketpair()
+        p = FORK.Process(target=_serve, args=(seg_name, epoch, fatal_after, fault_injection, theirs.fileno()))
         p.start()
+        theirs.close()
+        seg.control = ours  # the daemon's end: the tests stop the worker through it
         procs.append((p, seg))
         from superfluid.executor.worker import wait_ready
 
@@ -51,8 +56,9 @@ def worker(seg_name):
     yield start
     for p, seg in procs:
         if p.is_alive():
-            seg.request_stop()
+            seg.control.send(STOP)
             p.join(10)
+        seg.control.close()
         if p.is_alive():
             p.kill()
             p.join()
@@ -155,9 +161,20 @@ def test_an_unread_stream_stalls_a_tick_once_not_per_token(worker):
 
 def test_stop_request(worker):
     seg, epoch, proc = worker()
-    seg.request_stop()
+    seg.control.send(STOP)
     proc.join(10)
     assert proc.exitcode == 0 and seg.worker_state == WorkerState.STOPPED
+
+
+def test_the_segments_stop_flag_is_a_report_not_a_command(worker):
+    # A planner can write stop_requested: the worker must not leave for it.
+    seg, epoch, proc = worker()
+    seg.request_stop()
+    proc.join(0.3)
+    assert proc.is_alive() and seg.worker_state == WorkerState.READY
+    seg.control.send(STOP)  # the daemon's channel does stop it
+    proc.join(10)
+    assert proc.exitcode == 0
 
 
 def test_a_fatal_runtime_error_exits_70(worker):
@@ -168,3 +185,37 @@ def test_a_fatal_runtime_error_exits_70(worker):
     seg.plan_queue.publish()
     proc.join(20)
     assert proc.exitcode == 70
+
+
+def test_completions_that_overflow_a_tick_go_in_the_next_messages(seg_name):
+    # In-process: the worker's outbox over a real segment, no worker loop.
+    from superfluid.abi.records import OpCompletion, TickEvents
+    from superfluid.engine.fake import FakeRuntime
+    from superfluid.executor import Executor, SegmentRings
+    from superfluid.executor.worker import Worker
+
+    seg = Segment.create(seg_name, 0, CFG)
+    try:
+        ex = Executor(FakeRuntime(vocab_size=64, max_seq_len=128, page=4), SegmentRings(seg), epoch=1)
+        w = Worker(seg, ex, epoch=1)
+        slot = seg.event_queue.slot_bytes
+        comps = tuple(OpCompletion(op_id=i, status=0, op=1, payload=bytes([i % 251]) * 7000) for i in range(20))
+        huge = OpCompletion(op_id=99, status=0, op=9, payload=b"z" * (slot + 1))
+        w._emit_events(TickEvents(plan_seq=4, worker_epoch=1, op_completions=comps + (huge,)), session=3)
+        w._flush()  # four slots: enough for the events and their overflow
+        got, kinds, sessions = [], [], set()
+        while (s := seg.event_queue.try_peek()) is not None:
+            kind = codec.read_header(s)[0]
+            sessions.add(codec.session_of(s))
+            msg = codec.decode(s, "TickEvents" if kind == MsgKind.EVENTS else "OpEvents")
+            seg.event_queue.release()
+            kinds.append(kind)
+            got += msg.op_completions
+        assert kinds[0] == MsgKind.EVENTS and set(kinds[1:]) == {MsgKind.OP_EVENTS} and len(kinds) >= 3
+        assert sessions == {3}
+        assert [c.op_id for c in got] == [c.op_id for c in comps] + [99]  # all of them, in order
+        assert got[:-1] == list(comps)
+        assert got[-1].status == OpStatus.Capacity and b"does not fit" in got[-1].payload  # said, not dropped
+    finally:
+        seg.close()
+        seg.unlink()

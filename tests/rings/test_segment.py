@@ -212,11 +212,41 @@ def test_a_ring_in_another_rings_place_is_refused(made, seg_name):
         Segment.open(seg_name, 3)
 
 
-def test_a_queue_whose_tail_passed_its_head_is_refused(made, seg_name):
+def test_a_queue_whose_tail_passed_its_head_opens_and_is_seen_and_reset(made, seg_name):
+    # Impossible counters are the worker's to reset (and report), not a reason
+    # to lock every later planner out.
     at = made.header.layout.plan_queue + ffi.offsetof("Queue", "tail")
     _patch(made.path, at, (5).to_bytes(8, "little"))
-    with pytest.raises(SegmentError, match="tail 5 is past its head"):
-        Segment.open(seg_name, 3)
+    with Segment.open(seg_name, 3) as seg:
+        assert not seg.plan_queue.sane() and seg.event_queue.sane()
+        assert seg.plan_queue.reset() == 0
+        assert seg.plan_queue.sane() and seg.plan_queue.tail == seg.plan_queue.head == 0
+
+
+def test_repair_rewrites_what_a_planner_scribbled(made, seg_name):
+    q = made.header.layout.plan_queue
+    _patch(made.path, q + ffi.offsetof("Queue", "n_slots"), (3).to_bytes(4, "little"))
+    _patch(made.path, made.header.layout.event_queue + ffi.offsetof("Queue", "head"), (99).to_bytes(8, "little"))
+    _patch(made.path, ffi.offsetof("SegmentHeader", "stop_requested"), (1).to_bytes(4, "little"))
+    with pytest.raises(SegmentError, match="plan queue"):
+        Segment.open(seg_name, 3)  # a planner refuses the bad geometry...
+    fixed = made.repair()
+    assert any("plan queue n_slots was 3" in f for f in fixed), fixed
+    assert any("event queue counters head 99" in f for f in fixed), fixed
+    assert any("stop_requested" in f for f in fixed), fixed
+    with Segment.open(seg_name, 3) as seg:  # ...until the daemon repairs it
+        assert seg.plan_queue.n_slots == made.config.plan_slots and seg.event_queue.sane()
+    assert made.repair() == []  # negative control: nothing left to fix
+
+
+def test_a_worker_opens_with_the_daemons_geometry_whatever_the_header_says(made, seg_name):
+    q = made.header.layout.plan_queue
+    _patch(made.path, q + ffi.offsetof("Queue", "n_slots"), (3).to_bytes(4, "little"))
+    with Segment.open_path(made.path, config=made.config) as seg:
+        assert seg.plan_queue.n_slots == made.config.plan_slots
+    assert made.plan_queue.n_slots == made.config.plan_slots
+    with Segment.open(seg_name, 3) as seg:  # the worker wrote it back
+        assert seg.plan_queue.n_slots == made.config.plan_slots
 
 
 def test_a_segment_under_another_name_is_refused(made, seg_name):

@@ -1,10 +1,15 @@
 /* A planner in C: the same header and sf_ring.c a Rust or Go planner links.
- * Opens a segment made by Python, writes a prompt into the prompt ring, a
- * TickPlan (one admit, one prefill, one decode) into the plan queue, and
- * waits for the TickEvents the Python side answers with.
- * usage: planner SEGMENT_PATH  -> prints "plan_seq status emits" */
+ * Connects to a segment made by Python the way the header's "sessions"
+ * comment says (check, lock, wait for READY, begin a session), writes a
+ * prompt into the prompt ring, a TickPlan (one admit, one prefill, one
+ * decode) into the plan queue, and waits for the TickEvents the Python side
+ * answers with, skipping replies of other sessions.
+ * usage: planner SEGMENT_PATH  -> prints "plan_seq status emits session"
+ * exit 4: sf_segment_check refused it (prints the SF_CONNECT_* code);
+ * exit 10: another planner holds the segment. */
 #include "superfluid.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
@@ -25,8 +30,17 @@ int main(int argc, char **argv) {
     if (base == MAP_FAILED)
         return 3;
     SegmentHeader *h = (SegmentHeader *)base;
-    if (h->magic != SF_MAGIC || h->abi_version != SF_ABI_VERSION)
+    int check = sf_segment_check(h, (uint64_t)st.st_size);
+    if (check != SF_CONNECT_OK) {
+        printf("connect %d\n", check);
         return 4;
+    }
+    if (sf_session_lock(fd) == -EWOULDBLOCK)
+        return 10;
+    uint64_t epoch;
+    if (sf_wait_ready(h, 0, 10000000000LL, &epoch) != SF_WAIT_READY)
+        return 11;
+    uint64_t session = sf_session_begin(h);
     QueueView plans, events;
     RingView prompts;
     if (sf_queue_attach(&plans, base + h->layout.plan_queue, (uint64_t)st.st_size - h->layout.plan_queue) ||
@@ -67,17 +81,25 @@ int main(int argc, char **argv) {
     *d = (LaneDecode){7, 8, 0, 0};
     p->decodes = (Span){(uint32_t)at, 1};
     at = align8(at + sizeof *d);
-    *m = (MsgHeader){SF_MSG_PLAN, sizeof(TickPlan), at};
+    *m = (MsgHeader){SF_MSG_PLAN, sizeof(TickPlan), at, session};
     sf_queue_publish(&plans);
 
-    if (sf_queue_wait_readable(&events, NULL, 0, 0, 10000000000LL, 100000) != SF_WAIT_READY)
-        return 8;
-    uint8_t *in = sf_queue_try_peek(&events);
-    MsgHeader *em = (MsgHeader *)in;
+    uint8_t *in;
+    MsgHeader *em;
+    for (;;) {
+        if (sf_queue_wait_readable(&events, h, epoch, 0, 10000000000LL, 100000) != SF_WAIT_READY)
+            return 8;
+        in = sf_queue_try_peek(&events);
+        em = (MsgHeader *)in;
+        if (em->session == 0 || em->session == session)
+            break;
+        sf_queue_release(&events); /* an earlier session's reply */
+    }
     if (em->kind != SF_MSG_EVENTS || em->record_bytes != sizeof(TickEvents))
         return 9;
     TickEvents *e = (TickEvents *)(in + sizeof(MsgHeader));
-    printf("%llu %u %u\n", (unsigned long long)e->plan_seq, e->status, e->emits.count);
+    printf("%llu %u %u %llu\n", (unsigned long long)e->plan_seq, e->status, e->emits.count,
+           (unsigned long long)em->session);
     sf_queue_release(&events);
     munmap(base, (size_t)st.st_size);
     close(fd);

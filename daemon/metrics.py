@@ -1,0 +1,366 @@
+"""Prometheus metrics: a per-worker shared-memory block, and the daemon's scrape endpoint.
+
+Each worker slot has one WorkerMetrics block (a memfd of uint64 words) that
+the daemon creates and hands to every worker it starts there (pass_fds). The
+worker is the only writer while it lives; the daemon reads at scrape time and
+tolerates a torn read between words (each word is one aligned 8-byte store).
+The daemon keeps the block across restarts, so counters never go back;
+`restarted()` clears the gauges before the next worker starts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import http.server
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
+
+from superfluid.abi import OpStatus, ShedKind, ShedReason, Status
+
+PREFIX = "superfluid_worker_"
+DAEMON_LABEL = "daemon"  # the daemon's --name
+TICK_BUCKETS_S = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
+_BOUNDS_NS = [round(b * 1e9) for b in TICK_BUCKETS_S]
+
+
+def _label_names(enum: Any) -> tuple[str, ...]:
+    """Label values indexed by enum value; the one past the end is "unknown"."""
+    names = {int(m): m.name for m in enum}
+    assert sorted(names) == list(range(len(names))), f"{enum.__name__} is not 0..n-1"
+    return tuple(names[i] for i in range(len(names))) + ("unknown",)
+
+
+_STATUS = _label_names(Status)
+_OP_STATUS = _label_names(OpStatus)
+_SHED_REASON = _label_names(ShedReason)
+
+# ------------------------------------------------------------------ layout
+# Word names in block order; (name, n) for arrays. Private to this module: the
+# version word is derived from the table, so any change refuses old blocks.
+_LAYOUT: tuple[tuple[str, int], ...] = (
+    ("magic", 1), ("version", 1),
+    # counters (kept across restarts)
+    ("ticks", 1), ("rejects", 1), ("tick_ns", 1), ("prefill_ns", 1), ("decode_ns", 1),
+    ("decode_tokens", 1), ("prefill_tokens", 1), ("cache_evictions", 1), ("cache_evicted_bytes", 1),
+    ("cache_hit_tokens", 1),
+    ("tick_buckets", len(_BOUNDS_NS) + 1), ("rejects_by_status", len(_STATUS)),
+    ("sheds_by_reason", len(_SHED_REASON)), ("ops_by_status", len(_OP_STATUS)),
+    # gauges (cleared by restarted())
+    ("live_lanes", 1), ("cache_entries", 1), ("cache_bytes", 1),
+    ("kv_blocks_used", 1), ("kv_blocks_total", 1), ("blocked_since_ns", 1),
+)
+_AT: dict[str, int] = {}  # name -> first word
+_WORDS = 0
+for _name, _n in _LAYOUT:
+    _AT[_name], _WORDS = _WORDS, _WORDS + _n
+_GAUGES = tuple(name for name, _ in _LAYOUT[_LAYOUT.index(("live_lanes", 1)):])
+MAGIC = int.from_bytes(b"SFMETRIC", "little")
+VERSION = zlib.crc32(repr(_LAYOUT).encode())
+
+# Word indices the hot path uses, looked up once.
+_TICKS, _REJECTS, _TICK_NS = _AT["ticks"], _AT["rejects"], _AT["tick_ns"]
+_PREFILL_NS, _DECODE_NS = _AT["prefill_ns"], _AT["decode_ns"]
+_DECODE_TOK, _PREFILL_TOK = _AT["decode_tokens"], _AT["prefill_tokens"]
+_EVICTIONS, _EVICTED_BYTES, _HIT = _AT["cache_evictions"], _AT["cache_evicted_bytes"], _AT["cache_hit_tokens"]
+_BUCKET0, _REJ0 = _AT["tick_buckets"], _AT["rejects_by_status"]
+_SHED0, _OPS0 = _AT["sheds_by_reason"], _AT["ops_by_status"]
+_LANES, _ENTRIES, _CBYTES = _AT["live_lanes"], _AT["cache_entries"], _AT["cache_bytes"]
+_KV_USED, _KV_TOTAL, _BLOCKED = _AT["kv_blocks_used"], _AT["kv_blocks_total"], _AT["blocked_since_ns"]
+_PREFILL_CHUNK, _CACHE_EVICTION = int(ShedKind.PREFILL_CHUNK), int(ShedKind.CACHE_EVICTION)
+
+
+class WorkerMetrics:
+    """One worker slot's counters in shared memory. `create` (daemon) or
+    `from_fd` (worker); the recording methods are the worker's."""
+
+    def __init__(self, fd: int, mm: mmap.mmap, *, owns_fd: bool):
+        self.fd = fd
+        self._mm = mm
+        self._owns_fd = owns_fd
+        self._w = memoryview(mm).cast("Q")  # writes: ~4x cheaper than numpy scalar stores
+        self._a = np.frombuffer(mm, dtype=np.uint64)  # reads: one copy per scrape
+        self._hit_seen = 0  # this process's last cache_hit_tokens total (see gauges)
+
+    @classmethod
+    def create(cls, name: str) -> WorkerMetrics:
+        """A zeroed block on a new memfd (close-on-exec: pass it with pass_fds)."""
+        fd = os.memfd_create(f"superfluid-metrics.{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _WORDS * 8)
+            m = cls(fd, mmap.mmap(fd, _WORDS * 8), owns_fd=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        m._w[_AT["version"]] = VERSION
+        m._w[_AT["magic"]] = MAGIC
+        return m
+
+    @classmethod
+    def from_fd(cls, fd: int) -> WorkerMetrics:
+        """Map the block the daemon created; the fd stays the caller's (the mapping outlives it)."""
+        size = os.fstat(fd).st_size
+        if size < _WORDS * 8:
+            raise ValueError(f"metrics fd {fd}: {size} bytes, the block needs {_WORDS * 8}")
+        m = cls(fd, mmap.mmap(fd, _WORDS * 8), owns_fd=False)
+        magic, version = int(m._w[_AT["magic"]]), int(m._w[_AT["version"]])
+        if magic != MAGIC or version != VERSION:
+            m.close()
+            raise ValueError(f"metrics fd {fd}: magic {magic:#x} version {version:#x}, expected "
+                             f"{MAGIC:#x} {VERSION:#x} (a different superfluid build made it)")
+        return m
+
+    @property
+    def closed(self) -> bool:
+        return self._mm.closed
+
+    def close(self) -> None:
+        if self._mm.closed:
+            return
+        self._w.release()
+        del self._a  # the mmap refuses to close while a view exports it
+        self._mm.close()
+        if self._owns_fd:
+            os.close(self.fd)
+
+    def __enter__(self) -> WorkerMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- worker
+
+    def tick(self, plan: Any, events: Any) -> None:
+        """One plan's outcome: `plan` the decoded TickPlan (None when it did
+        not decode), `events` the TickEvents that answer it."""
+        w = self._w
+        status = events.status
+        if status:
+            w[_REJECTS] += 1
+            w[_REJ0 + (status if 0 <= status < len(_STATUS) - 1 else len(_STATUS) - 1)] += 1
+        else:
+            t = events.timings
+            w[_TICKS] += 1
+            w[_BUCKET0 + bisect.bisect_left(_BOUNDS_NS, t.wall_ns)] += 1  # le is inclusive
+            w[_TICK_NS] += t.wall_ns
+            w[_PREFILL_NS] += t.prefill_ns
+            w[_DECODE_NS] += t.decode_ns
+            if events.emits:
+                # A generator beats map(attrgetter) on namedtuples; numpy would need a copy first.
+                w[_DECODE_TOK] += sum(e.n_tokens for e in events.emits)
+            prefilled = sum(p.token_count for p in plan.prefills) if plan is not None and plan.prefills else 0
+            for e in events.shed.entries:  # few: only what this tick shed
+                if e.kind == _PREFILL_CHUNK:
+                    prefilled -= e.tokens
+                elif e.kind == _CACHE_EVICTION:
+                    w[_EVICTIONS] += 1
+                    w[_EVICTED_BYTES] += e.bytes
+                r = e.reason
+                w[_SHED0 + (r if 0 <= r < len(_SHED_REASON) - 1 else len(_SHED_REASON) - 1)] += 1
+            if prefilled > 0:
+                w[_PREFILL_TOK] += prefilled
+        if events.op_completions:  # a rejected plan's events carry ops too
+            self.ops(events.op_completions)
+        mem = events.mem
+        w[_KV_USED] = mem.pool_blocks_used
+        w[_KV_TOTAL] = mem.pool_blocks_total
+
+    def ops(self, completions: Iterable[Any]) -> None:
+        """Op completions (OpCompletion records) sent outside a tick (OpEvents)."""
+        w = self._w
+        last = len(_OP_STATUS) - 1
+        for c in completions:
+            s = c.status
+            w[_OPS0 + (s if 0 <= s < last else last)] += 1
+
+    def gauges(self, *, lanes_live: int, cache_entries: int, cache_bytes: int, cache_hit_tokens: int) -> None:
+        """The worker's current sizes; `cache_hit_tokens` is this process's
+        running total, folded in as a delta so the block's counter carries on
+        from the previous workers' totals."""
+        w = self._w
+        w[_LANES] = lanes_live
+        w[_ENTRIES] = cache_entries
+        w[_CBYTES] = cache_bytes
+        delta = cache_hit_tokens - self._hit_seen
+        if delta > 0:
+            w[_HIT] += delta
+        self._hit_seen = cache_hit_tokens  # a total that went back (should not) restarts the delta
+
+    def blocked(self, since_ns: int) -> None:
+        """CLOCK_MONOTONIC ns since which the worker waits for the planner to
+        make room in the event queue; 0 when it does not wait."""
+        self._w[_BLOCKED] = since_ns
+
+    # ------------------------------------------------------------- daemon
+
+    def restarted(self) -> None:
+        """Clear the gauges before the next worker starts (no worker writes now)."""
+        for g in _GAUGES:
+            self._w[_AT[g]] = 0
+
+    def read(self) -> dict[str, Any]:
+        """A copy of the block as plain data: ints, and lists for the arrays."""
+        a = self._a.copy()
+        return {name: int(a[at]) if n == 1 else a[at:at + n].tolist()
+                for (name, n), at in zip(_LAYOUT, _AT.values())}
+
+
+# ------------------------------------------------------------ daemon side
+
+
+def exit_reason(status: int) -> str:
+    """The worker_exits_total reason of an exit status (-N: killed by signal N)."""
+    return f"signal_{-status}" if status < 0 else f"exit_{status}"
+
+
+class DaemonCounters:
+    """What only the daemon sees: how workers ended. Written by the
+    supervisor thread, read by scrape threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._exits: dict[tuple[int, str], int] = {}
+
+    def exited(self, index: int, reason: str) -> None:
+        with self._lock:
+            self._exits[(index, reason)] = self._exits.get((index, reason), 0) + 1
+
+    def exits(self) -> dict[tuple[int, str], int]:
+        with self._lock:
+            return dict(self._exits)
+
+
+# (index, block, status.worker_snapshot(seg)) per worker, at scrape time.
+WorkerSource = Callable[[], Iterable[tuple[int, WorkerMetrics, Mapping[str, Any]]]]
+
+# From the block: (metric suffix, word, scale, help).
+_COUNTERS = (
+    ("ticks", "ticks", 1, "Plans applied, over every worker of this slot."),
+    ("rejects", "rejects", 1, "Plans rejected (any status != OK), over every worker of this slot."),
+    ("tokens_emitted", "decode_tokens", 1, "Tokens emitted (the same count as decode_tokens_total)."),
+    ("decode_tokens", "decode_tokens", 1, "Tokens decoded: the sum of emits' n_tokens."),
+    ("prefill_tokens", "prefill_tokens", 1, "Prompt tokens prefilled: planned less shed chunks."),
+    ("prefill_seconds", "prefill_ns", 1e-9, "Seconds applied ticks spent in prefill."),
+    ("decode_seconds", "decode_ns", 1e-9, "Seconds applied ticks spent in decode."),
+    ("cache_hit_tokens", "cache_hit_tokens", 1, "Prompt tokens admissions took from the prefix cache."),
+    ("cache_evictions", "cache_evictions", 1, "Prefix-cache entries evicted (CACHE_EVICTION sheds)."),
+    ("cache_evicted_bytes", "cache_evicted_bytes", 1, "Bytes freed by prefix-cache evictions."),
+)
+_GAUGE_WORDS = (
+    ("live_lanes", "live_lanes", "Lanes admitted and not retired."),
+    ("cache_entries", "cache_entries", "Prefix-cache entries."),
+    ("cache_bytes", "cache_bytes", "Bytes held by prefix-cache entries."),
+    ("kv_blocks_used", "kv_blocks_used", "KV pool blocks in use, after the last tick."),
+    ("kv_blocks_capacity", "kv_blocks_total", "KV pool blocks in all (a gauge: no _total suffix)."),
+)
+# Labelled counters: (metric suffix, array word, label, label values, values shown only
+# when non-zero, help).
+_BY_LABEL = (
+    ("plan_rejects", "rejects_by_status", "status", _STATUS, ("OK", "unknown"), "Plans rejected, by Status."),
+    ("sheds", "sheds_by_reason", "reason", _SHED_REASON, ("unknown",),
+     "Shed entries (prefill chunks and evictions), by ShedReason."),
+    ("op_completions", "ops_by_status", "status", _OP_STATUS, ("unknown",), "Op completions, by OpStatus."),
+)
+# From status.worker_snapshot: (metric suffix, key, counter?, help).
+_SNAPSHOT = (
+    ("restarts", "restarts", True, "Times the daemon restarted this worker."),
+    ("epoch", "epoch", False, "Worker epoch (bumped on every start)."),
+    ("state", "state_code", False, "SF_WORKER_* state (2 = READY)."),
+    ("up", "ready", False, "1 when the worker reads plans."),
+    ("last_exit_status", "last_exit_status", False, "Exit code, or -signal, of the last worker that ended."),
+    ("heartbeat_age_seconds", "heartbeat_age_s", False, "Seconds since the worker's last loop."),
+)
+
+
+class _Collector:
+    def __init__(self, name: str, workers: WorkerSource, counters: DaemonCounters | None):
+        self.name = name
+        self.workers = workers
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic_ns()  # CLOCK_MONOTONIC, as the worker's stamps
+        rows = [(str(i), m.read(), snap) for i, m, snap in self.workers() if not m.closed]
+        labels = [DAEMON_LABEL, "worker"]
+        for suffix, word, scale, help_ in _COUNTERS:
+            f = CounterMetricFamily(PREFIX + suffix, help_, labels=labels)
+            for w, b, _ in rows:
+                f.add_metric([self.name, w], b[word] * scale)
+            yield f
+        for suffix, word, help_ in _GAUGE_WORDS:
+            f = GaugeMetricFamily(PREFIX + suffix, help_, labels=labels)
+            for w, b, _ in rows:
+                f.add_metric([self.name, w], b[word])
+            yield f
+        for suffix, word, label, values, if_any, help_ in _BY_LABEL:
+            f = CounterMetricFamily(PREFIX + suffix, help_, labels=[*labels, label])
+            for w, b, _ in rows:
+                for v, n in zip(values, b[word]):
+                    if n or v not in if_any:
+                        f.add_metric([self.name, w, v], n)
+            yield f
+        h = HistogramMetricFamily(PREFIX + "tick_seconds", "Wall time of applied ticks.", labels=labels)
+        for w, b, _ in rows:
+            cum = np.cumsum(b["tick_buckets"]).tolist()  # the block keeps per-bucket counts
+            buckets = [(repr(float(le)), c) for le, c in zip(TICK_BUCKETS_S, cum)] + [("+Inf", cum[-1])]
+            h.add_metric([self.name, w], buckets, b["tick_ns"] * 1e-9)
+        yield h
+        g = GaugeMetricFamily(PREFIX + "blocked_on_planner_seconds",
+                              "Seconds the worker has waited for the planner to read events; 0 when not.",
+                              labels=labels)
+        for w, b, snap in rows:
+            since = b["blocked_since_ns"]
+            g.add_metric([self.name, w], max(0, now - since) * 1e-9 if since and snap.get("ready") else 0.0)
+        yield g
+        for suffix, key, counter, help_ in _SNAPSHOT:
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            f = kind(PREFIX + suffix, help_, labels=labels)
+            for w, _, snap in rows:
+                if snap.get(key) is not None:
+                    f.add_metric([self.name, w], snap[key])
+            yield f
+        f = CounterMetricFamily(PREFIX + "exits", "Worker processes that ended, by reason (exit_N, signal_N, "
+                                "spawn_failed).", labels=[*labels, "reason"])
+        for (index, reason), n in sorted((self.counters.exits() if self.counters else {}).items()):
+            f.add_metric([self.name, str(index), reason], n)
+        yield f
+
+
+def make_registry(name: str, workers: WorkerSource,
+                  counters: DaemonCounters | None = None) -> CollectorRegistry:
+    """A registry of daemon `name`'s metrics, read from `workers()` at each scrape."""
+    reg = CollectorRegistry()
+    reg.register(_Collector(name, workers, counters))
+    return reg
+
+
+class MetricsServer:
+    """Serves a registry over HTTP (any path) from a thread; `.address` is
+    the (host, port) bound (port 0 picks a free one)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
+        self._srv = http.server.ThreadingHTTPServer((host, port), MetricsHandler.factory(registry))
+        self._srv.daemon_threads = True
+        h, p = self._srv.server_address[:2]
+        self.address = (str(h), int(p))
+        # A short poll interval: close() waits for it.
+        self._thread = threading.Thread(target=self._srv.serve_forever, args=(0.1,),
+                                        name="superfluid-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving; call before the blocks the registry reads are closed."""
+        if self._thread.is_alive():
+            self._srv.shutdown()
+            self._thread.join()
+        self._srv.server_close()
