@@ -158,11 +158,19 @@ int sf_wait_ready(const SegmentHeader *seg, uint64_t after_epoch, int64_t timeou
 }
 
 uint64_t sf_session_begin(SegmentHeader *seg) {
-    uint64_t id;
-    do
-        id = __atomic_add_fetch(&seg->session_id, 1, SEQ_CST);
-    while (id == 0);
-    return id;
+    /* Above the header's count and the worker's own session (its report):
+     * a count wound back, or scribbled far ahead to wrap, never hands out an
+     * id already used. */
+    uint64_t worker = __atomic_load_n(&seg->counters.session_id, ACQUIRE);
+    uint64_t seen = __atomic_load_n(&seg->session_id, ACQUIRE);
+    for (;;) {
+        uint64_t base = seen;
+        if (base < worker || base - worker > SF_SESSION_LEAD_MAX)
+            base = worker;
+        uint64_t id = base + 1 == 0 ? 1 : base + 1;
+        if (__atomic_compare_exchange_n(&seg->session_id, &seen, id, 0, SEQ_CST, ACQUIRE))
+            return id;
+    }
 }
 
 void sf_set_worker_state(SegmentHeader *seg, uint32_t state) {

@@ -41,6 +41,9 @@ extern "C" {
 #define SF_NAME_BYTES 32
 /* TickPlan.plan_seq lies in [0, SF_PLAN_SEQ_MAX]; a larger one is RejectBounds. */
 #define SF_PLAN_SEQ_MAX 0x7fffffffffffffff
+/* sf_session_begin: a header session count further than this above the
+ * worker's own (WorkerCounters.session_id) was scribbled, not counted. */
+#define SF_SESSION_LEAD_MAX 0x100000000
 /* An error message quotes at most this many bytes of what it answers. */
 #define SF_ECHO_BYTES 64
 
@@ -212,7 +215,7 @@ typedef struct MsgHeader {
     uint32_t kind;          /* SF_MSG_*; producer sets */
     uint32_t record_bytes;  /* bytes of the record (its struct_size); 0 for SF_MSG_OP */
     uint64_t arena_bytes;   /* bytes of the arena (the msgpack body for SF_MSG_OP) */
-    uint64_t session;       /* plans, ops: the sender's session; replies: the session answered; 0 = any */
+    uint64_t session;       /* plans, ops: the sender's; replies: exactly the one answered; notices: 0 */
 } MsgHeader;
 
 /* SPEC §5 parameters of a lane; planner sets, fixed for the lane's life. */
@@ -565,12 +568,16 @@ typedef struct SegmentHeader {
  *    drops it when the process dies. -EWOULDBLOCK: another planner has it.
  * 4. Wait for READY: sf_wait_ready() sleeps on the worker_state futex (the
  *    daemon and the worker wake it on every change) and returns the epoch.
- * 5. Start a session: sf_session_begin() bumps SegmentHeader.session_id and
- *    returns it. Stamp it in MsgHeader.session of every plan and op. The
+ * 5. Start a session: sf_session_begin() bumps SegmentHeader.session_id
+ *    (past the worker's own session, so a count someone wound back never
+ *    hands out a used id) and returns it. Stamp it in MsgHeader.session of
+ *    every plan and op; the worker never serves an id below its current. The
  *    worker runs only messages of the header's session: a plan an earlier
  *    session left queued is answered StaleSession (its own session in the
- *    reply) without running, an op OpStatus StaleSession; a reply whose
- *    session is not yours (nor 0) is an earlier session's: drop it. plan_seq
+ *    reply) without running, an op OpStatus StaleSession. Replies
+ *    (SF_MSG_EVENTS, OP_EVENTS, PARTIAL) carry exactly the session they
+ *    answer: one that is not yours is an earlier session's, drop it. Only
+ *    notices (SF_MSG_WORKER, SF_MSG_RESET) carry 0: for whoever is there. plan_seq
  *    starts afresh in every session: the first plan may carry any value up
  *    to SF_PLAN_SEQ_MAX, the next ones must grow.
  * 6. Lanes an earlier session left are still live: op LIST_LANES shows them

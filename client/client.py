@@ -37,7 +37,7 @@ from superfluid.abi.records import (LaneCommit, LaneEmit, OpCompletion, OpEvents
 from superfluid.client.builder import PlanBuilder
 from superfluid.rings.errors import PeerGone, SegmentError
 from superfluid.rings.queue import QueueTimeout, SlotQueue
-from superfluid.rings.segment import Segment
+from superfluid.rings.segment import Segment, state_name
 
 DEFAULT_TIMEOUT = 30.0
 log = logging.getLogger("superfluid.client")
@@ -45,6 +45,7 @@ _POLL_S = 0.005  # how often connect looks for a segment that is not there yet
 _SIGNAL_SLICE_S = 0.1  # a futex wait returns to Python this often (Ctrl-C)
 _LIVENESS_SLICE_S = 0.5  # a long wait looks at the worker's pid this often
 _GONE_STATES = frozenset((WorkerState.STOPPED, WorkerState.DEAD, WorkerState.GAVE_UP))
+_NOTICES = frozenset((MsgKind.WORKER, MsgKind.RESET))
 
 
 class ClientError(Exception):
@@ -67,7 +68,7 @@ class WorkerRestarted(ClientError):
     def __init__(self, epoch: int, old_epoch: int, state: int, *, exit_status: int | None = None,
                  restarts: int | None = None):
         super().__init__(f"worker epoch {old_epoch} is gone (segment epoch {epoch}, state "
-                         f"{_state_name(state)})")
+                         f"{state_name(state)})")
         self.epoch = epoch
         self.old_epoch = old_epoch
         self.state = state
@@ -86,13 +87,6 @@ class WorkerTaken(ClientError):
 
 class DaemonGone(ClientError):
     """The daemon stopped its workers, or is dead: no worker will come back."""
-
-
-def _state_name(state: int) -> str:
-    try:
-        return WorkerState(state).name
-    except ValueError:
-        return str(state)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -121,6 +115,7 @@ class Client:
         self.seg = seg
         self.epoch = epoch
         self.session = session  # stamped on every plan and op; replies of other sessions are dropped
+        self.where = seg.path  # for log lines (the header's name and index are anyone's to scribble on)
         self._lock: int | None = None  # the fd whose flock says this worker has its planner
         self.timeout = timeout  # the default for every wait
         self.desc = seg.runtime
@@ -128,7 +123,7 @@ class Client:
         self._op_ids = itertools.count(1)
         # Apart from every earlier session's (their lanes may still be live
         # there: LIST_LANES), by the session id; without one, by the pid.
-        self._lane_tags = itertools.count(((session or os.getpid()) << 32) + 1)
+        self._lane_tags = itertools.count((((session or os.getpid()) & 0xFFFFFFFF) << 32) + 1)
         self._ready: collections.deque[TickEvents] = collections.deque()  # read while waiting for others
         self._completions: dict[int, OpCompletion] = {}  # op_id -> completion, until op() takes it
         self._inflight: set[int] = set()  # plan_seqs sent to this epoch and not yet answered
@@ -310,9 +305,18 @@ class Client:
         q = self.seg.event_queue
         slot = self._wait_slot(q, timeout, write=False)
         try:
+            return self._read(slot)
+        finally:
+            q.try_release()
+
+    def _read(self, slot) -> None:
+        """File one message (the slot is released by the caller)."""
+        try:
             kind = codec.read_header(slot)[0]
             session = codec.session_of(slot)
-            if session and session != self.session:
+            # A reply carries exactly the session it answers (0 only for a planner that
+            # began none); notices (0) are for whoever is connected.
+            if session != self.session and not (session == 0 and kind in _NOTICES):
                 return  # an earlier planner's reply: not ours, whatever its plan_seq or op_id
             if kind == MsgKind.EVENTS:
                 msg = codec.decode(slot, "TickEvents")
@@ -320,7 +324,7 @@ class Client:
                 msg = codec.decode(slot, "OpEvents")
             elif kind == MsgKind.RESET:
                 reset = codec.decode(slot, "QueueReset")
-                log.warning("worker %d reset its %s queue (head %d, tail %d were impossible)", self.seg.index,
+                log.warning("%s reset its %s queue (head %d, tail %d were impossible)", self.where,
                             _queue_name(reset.queue), reset.head, reset.tail)
                 self.queue_resets.append(reset)
                 return
@@ -331,8 +335,10 @@ class Client:
                 return
             else:
                 return  # no business on this queue: dropped
-        finally:
-            q.release()
+        except codec.CodecError as e:
+            # Not what a worker writes: someone scribbled on the slot. Dropped, said.
+            log.warning("%s: an event-queue message that does not decode, dropped: %s", self.where, e)
+            return
         if msg.worker_epoch > self.epoch:
             # The next worker already answered (a plan sent before the restart):
             # keep it for after reconnect.
@@ -479,11 +485,12 @@ class Client:
         out = []
         while (slot := q.try_peek()) is not None:
             try:
-                session = codec.session_of(slot)
-                if codec.read_header(slot)[0] == MsgKind.PARTIAL and session in (0, self.session):
+                if codec.read_header(slot)[0] == MsgKind.PARTIAL and codec.session_of(slot) == self.session:
                     out.append(codec.decode(slot, "PartialEmit"))
+            except codec.CodecError as e:
+                log.warning("%s: a stream message that does not decode, dropped: %s", self.where, e)
             finally:
-                q.release()
+                q.try_release()
         return out
 
 
@@ -530,4 +537,4 @@ def _wait_ready(seg: Segment, *, after: int | None, deadline: float) -> int:
             raise DaemonGone(f"{seg.path}: the daemon (pid {seg.header.daemon_pid}) is gone; no worker will be "
                              "restarted")
         if left <= _SIGNAL_SLICE_S:
-            raise ClientTimeout(f"{seg.path}: no READY worker (epoch {epoch}, state {_state_name(state)})")
+            raise ClientTimeout(f"{seg.path}: no READY worker (epoch {epoch}, state {state_name(state)})")

@@ -20,7 +20,7 @@ from typing import Any
 
 from superfluid.abi import Fault, WorkerState, lib
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import NAME_RE, Segment, shm_dir
+from superfluid.rings.segment import NAME_RE, Segment, shm_dir, state_name
 
 DEFAULT_NAME = "superfluid"
 
@@ -63,7 +63,7 @@ def worker_snapshot(seg: Segment) -> dict[str, Any]:
         fault_name = str(fault_code)
     return {
         "index": seg.index,
-        "state": state.name,
+        "state": state_name(state),
         "state_code": int(state),
         "ready": int(state == WorkerState.READY),
         "pid": int(h.worker_pid),

@@ -152,6 +152,7 @@ class _Worker:
     restart_at: float | None = None  # monotonic time of a pending restart
     failures: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
     gave_up: bool = False
+    restarts: int = 0
     control: socket.socket | None = None  # the daemon's end of the worker's command channel
     metrics: Any = None  # the WorkerMetrics block this slot's workers record into
 
@@ -376,13 +377,16 @@ class Daemon:
         # The new worker counts from zero (status: "tokens emitted since the worker started").
         ffi.memmove(ffi.addressof(h, "counters"), bytes(_COUNTERS_BYTES), _COUNTERS_BYTES)
         h.worker_pid = 0
-        w.epoch = seg.bump_epoch(WorkerState.STARTING)
+        # The daemon's count, not the header's: that one is anyone's to scribble on.
+        w.epoch += 1
+        seg.set_epoch(w.epoch)
+        seg.set_worker_state(WorkerState.STARTING)
         # Plans and ops the dead worker never read were meant for a state that is gone:
         # the new worker starts clean and the planner re-admits (SPEC §9).
         dropped = seg.plan_queue.discard_unread() + seg.op_queue.discard_unread()
         if dropped:
             log.info("worker %d: dropped %d unread plan/op messages of the old epoch", w.index, dropped)
-        if h.restarts:
+        if w.restarts:
             # Before the new worker exists, the daemon is the event queue's only producer.
             self._notice(w, WorkerState.STARTING)
             w.metrics.restarted()  # the new worker's gauges start from nothing
@@ -475,7 +479,8 @@ class Daemon:
                       window, short_exit(status))
             return
         w.seg.set_worker_state(WorkerState.DEAD)
-        h.restarts += 1
+        w.restarts += 1  # counted here: the header's copy is anyone's to scribble on
+        h.restarts = w.restarts & 0xFFFFFFFF
         self._notice(w, WorkerState.DEAD)
         delay = restart_delay(len(w.failures), self.restart_backoff, self.restart_backoff_max)
         w.restart_at = now + delay
@@ -495,8 +500,8 @@ class Daemon:
             return
         codec.encode_into(slot, "WorkerNotice", WorkerNotice(
             worker_epoch=w.seg.epoch, worker_state=int(state), exit_status=int(h.last_exit_status),
-            restarts=int(h.restarts)))
-        w.seg.event_queue.publish()
+            restarts=w.restarts & 0xFFFFFFFF))
+        w.seg.event_queue.try_publish()  # False: a planner filled it meanwhile; the header says it all the same
 
     def _retry_given_up(self) -> None:
         """SIGHUP: start again the workers that gave up (the cause may be fixed)."""

@@ -13,6 +13,7 @@ import signal
 import sys
 
 STOP = b"S"
+ASKED = "the daemon asked"
 
 
 class Control:
@@ -45,5 +46,5 @@ class Control:
         if not data:
             self._stop, self.why = True, "the daemon's channel closed"
         elif STOP in data:
-            self._stop, self.why = True, "the daemon asked"
+            self._stop, self.why = True, ASKED
         return self._stop

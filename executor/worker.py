@@ -25,18 +25,21 @@ import time
 
 import msgpack
 
-from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, lib
+from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, ffi, lib
 from superfluid.abi.records import OpCompletion, OpEvents, PartialEmit, QueueReset, TickEvents
 from superfluid.engine.plan import PlanReject, decode_plan, plan_seq_of
-from superfluid.executor.control import Control
+from superfluid.executor.control import ASKED, Control
 from superfluid.executor.executor import Executor
 from superfluid.rings.queue import DEFAULT_SPIN_NS, QueueTimeout
+from superfluid.rings.repair import repair_geometry, repair_identity
+from superfluid.rings.segment import parse_segment_path
 
 # An idle worker sleeps on the plan queue; ops arrive on another queue, so it
 # looks at them this often (an op's completion waits at most this long).
 IDLE_SLICE_S = 0.005
 BLOCKED_SLICE_S = 0.05  # waiting for event room: heartbeat, ops and the daemon this often
 GEOMETRY_CHECK_S = 1.0  # how often the header's layout and geometry are put back
+REPORT_S = 0.01  # how often the header's epoch, state and pid, and all four queues, are looked at
 PARTIAL_WAIT_S = 1.0  # a partial emit waits this long for room, then is dropped (counted)
 _COMPLETION = codec.CODECS["OpCompletion"].size
 _OP_EVENTS = codec.MSG_HEADER_BYTES + codec.align(codec.CODECS["OpEvents"].size)
@@ -72,11 +75,21 @@ class Worker:
         self.pid = os.getpid()
         self.session = 0  # the session being served (its messages' MsgHeader.session)
         self.partial_dropped = 0
+        self.stale_messages = 0  # plans and ops of earlier sessions answered stale
+        self.queue_resets = 0
         self._stalled_plan: int | None = None  # the tick whose partial emits found no room
         self._outbox: collections.deque[tuple[str, object, int]] = collections.deque()
         self._comp_session = 0  # whose ops the pending completions answer
         self._blocked_since = 0
-        self._geometry_at = 0.0
+        self._geometry_at = self._reported_at = self._guarded_at = 0.0
+        h = segment.header
+        self._epoch_p = ffi.addressof(h, "worker_epoch")
+        self._state_p = ffi.addressof(h, "worker_state")
+        self._session_p = ffi.addressof(h, "session_id")
+        # Started by the daemon (it told us the geometry): the name and index are in
+        # the path it gave, the daemon is our parent. What to put back on line 0.
+        named = parse_segment_path(segment.path)
+        self._identity = None if segment.config is None or named is None else (*named, os.getppid())
         self.slot_bytes = segment.event_queue.slot_bytes
         executor.partial_sink = self._partial
         executor.event_capacity = self.slot_bytes
@@ -156,8 +169,10 @@ class Worker:
                 continue
             name, record, session = self._outbox[0]
             codec.encode_into(slot, name, record, session=session)
-            q.publish()
-            self._outbox.popleft()
+            if q.try_publish():
+                self._outbox.popleft()
+            else:  # the planner moved its tail back: full again
+                self._while_blocked()
         if self._blocked_since:
             self._blocked_since = 0
             self.seg.counters.blocked_since_ns = 0
@@ -173,20 +188,29 @@ class Worker:
         if self.control.stop_requested():
             raise Stopped()
         self._guard()
-        self._drain_ops(room=self.slot_bytes)
+        if len(self._outbox) <= 1:  # past that, what ops answer would pile up here unbounded
+            self._drain_ops(room=self.slot_bytes)
         self._counters()
 
     # ----------------------------------------------------------- guarding
 
-    def _guard(self) -> None:
-        """Reset a queue whose counters no live peer could have made."""
-        for name, kind in _QUEUES:
+    def _guard(self, every: bool = True) -> None:
+        """Reset a queue whose counters no live peer could have made. Each
+        loop looks at the plan queue (a tail past its head would feed it
+        garbage); the others (bounded drains, full-queue waits) now and then."""
+        now = time.monotonic()
+        if every or now - self._guarded_at >= REPORT_S:
+            self._guarded_at = now
+            queues = _QUEUES
+        else:
+            queues = _QUEUES[:1]
+        for name, kind in queues:
             q = self.seg.queues[name]
-            if q.sane():
+            if lib.sf_queue_sane(q._view):
                 continue
             head, tail = q.head, q.tail
             to = q.reset()
-            self.seg.counters.queue_resets += 1
+            self.queue_resets += 1
             print(f"superfluid worker: the {name} queue had head {head} and tail {tail} (impossible: "
                   f"{q.n_slots} slots); reset both to {to}", file=sys.stderr)
             self._outbox.appendleft(("QueueReset", QueueReset(worker_epoch=self.epoch, queue=int(kind), head=head,
@@ -194,18 +218,28 @@ class Worker:
 
     def _report(self) -> None:
         """The header's worker fields are this worker's report: put back
-        what someone else wrote there."""
+        what someone else wrote there (every REPORT_S: a forged state lives
+        that long, and a tick pays nothing for it)."""
+        now = time.monotonic()
+        if now - self._reported_at < REPORT_S:
+            return
+        self._reported_at = now
         seg, h = self.seg, self.seg.header
-        if seg.epoch != self.epoch:
+        if lib.sf_load_acquire_u64(self._epoch_p) != self.epoch:
             seg.set_epoch(self.epoch)
-        if seg.worker_state != WorkerState.READY:
+        if lib.sf_load_acquire_u32(self._state_p) != WorkerState.READY:
             seg.set_worker_state(WorkerState.READY)
         if h.worker_pid != self.pid:
             h.worker_pid = self.pid
-        now = time.monotonic()
+        if lib.sf_load_acquire_u64(self._session_p) < self.session:
+            # Wound back: the next sf_session_begin would hand out a used id.
+            lib.sf_store_release_u64(self._session_p, self.session)
         if now - self._geometry_at >= GEOMETRY_CHECK_S:
             self._geometry_at = now
-            for fix in seg.repair_geometry():
+            fixes = repair_geometry(seg)
+            if self._identity is not None:
+                fixes += repair_identity(seg, *self._identity)
+            for fix in fixes:
                 print(f"superfluid worker: segment header repaired: {fix}", file=sys.stderr)
 
     def _counters(self) -> None:
@@ -219,6 +253,7 @@ class Worker:
         c.cache_bytes = ex.cache.resident_bytes
         c.tokens_emitted = ex.tokens_emitted
         c.session_id = self.session
+        c.stale_messages, c.queue_resets = self.stale_messages, self.queue_resets
         if ex.last_fault is not None:
             c.last_fault_lane, c.last_fault_code = ex.last_fault
         c.heartbeat_ns = lib.sf_monotonic_ns()
@@ -232,17 +267,19 @@ class Worker:
     def _current(self, session: int) -> bool:
         """Whether a message of `session` is to be served; a first message of
         the header's new session starts it."""
-        if session != self.seg.session_id:
-            return False
+        if session != lib.sf_load_acquire_u64(self._session_p) or session < self.session:
+            return False  # another's, or an id reused after someone wound the header back
         if session != self.session:
             self._flush_ops()  # the last session's completions are its own
             self.session = session
             self.ex.session = session
+            self.seg.counters.session_id = session  # at once: sf_session_begin counts past it
             self.ex.last_plan_seq = None  # plan_seq starts afresh: no session waits on another's
         return True
 
     def _stale(self, what: str, session: int) -> str:
-        self.seg.counters.stale_messages += 1
+        self.stale_messages += 1
+        self.seg.counters.stale_messages = self.stale_messages  # ours to count: never a += on shared memory
         return (f"{what} of session {session}: session {self.seg.session_id} holds this worker now "
                 f"(an earlier planner's message, not run)")
 
@@ -253,8 +290,12 @@ class Worker:
         would fill that many bytes (they cannot go out yet)."""
         q = self.seg.op_queue
         stale: dict[int, list] = {}
-        while (slot := q.try_peek()) is not None:
-            if room is not None and sum(map(completion_bytes, self.ex.completions)) >= room:
+        pending = sum(map(completion_bytes, self.ex.completions)) if room is not None else 0
+        # At most a queue's worth: counters a planner scribbled on could claim 2^64.
+        for _ in range(q.n_slots):
+            if room is not None and pending >= room:
+                break
+            if (slot := q.try_peek()) is None:
                 break
             session = codec.session_of(slot)
             try:
@@ -262,14 +303,15 @@ class Worker:
             except codec.CodecError as e:
                 payload = repr(e)[:ECHO_BYTES].encode()  # not msgpack: the op answers BadRequest
             finally:
-                q.release()
+                q.try_release()  # (False: the planner took it back; it is answered all the same)
             if not self._current(session):
-                stale.setdefault(session, []).append(OpCompletion(
-                    op_id=_op_id(payload), status=int(OpStatus.StaleSession),
-                    payload=msgpack.packb({"error": self._stale("op", session)})))
-                continue
-            self._comp_session = session
-            self.ex.op(payload, queue=True)
+                done = OpCompletion(op_id=_op_id(payload), status=int(OpStatus.StaleSession),
+                                    payload=msgpack.packb({"error": self._stale("op", session)}))
+                stale.setdefault(session, []).append(done)
+            else:
+                self._comp_session = session
+                done = self.ex.op(payload, queue=True)
+            pending += completion_bytes(done)
         for session, comps in stale.items():
             self._emit_completions(comps, session)
 
@@ -280,7 +322,7 @@ class Worker:
         plan = None
         if not self._current(session):
             seq = plan_seq_of(slot)
-            self.seg.plan_queue.release()
+            self.seg.plan_queue.try_release()
             ev = TickEvents(plan_seq=seq, status=int(Status.StaleSession), worker_epoch=self.epoch,
                             message=self._stale("plan", session).encode())
         else:
@@ -288,11 +330,11 @@ class Worker:
                 plan = decode_plan(slot)
             except PlanReject as r:
                 seq = plan_seq_of(slot)
-                self.seg.plan_queue.release()
+                self.seg.plan_queue.try_release()
                 self.ex.rejects += 1
                 ev = self.ex._refused(seq, r.status, r.field, r.message).events
             else:
-                self.seg.plan_queue.release()  # decoded: the planner may queue the next plan now
+                self.seg.plan_queue.try_release()  # decoded: the planner may queue the next plan now
                 ev = self.ex.tick(plan).events
         self._counters()  # before the events go out: a planner that sees them sees the counters too
         if self.metrics is not None:
@@ -313,7 +355,7 @@ class Worker:
             while True:
                 if self.control.stop_requested():
                     raise Stopped()
-                self._guard()
+                self._guard(every=False)
                 self._drain_ops()
                 if self.ex.completions and plans.try_peek() is None:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
@@ -331,7 +373,8 @@ class Worker:
             seg.set_worker_state(WorkerState.STOPPING)
             self._counters_final()
             seg.set_worker_state(WorkerState.STOPPED)
-            print(f"superfluid worker: stopping ({self.control.why or 'asked'})", file=sys.stderr)
+            if self.control.why != ASKED:  # the daemon logs that itself
+                print(f"superfluid worker: stopping ({self.control.why or 'asked'})", file=sys.stderr)
             return 0
 
     def _counters_final(self) -> None:

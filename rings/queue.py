@@ -95,6 +95,20 @@ class SlotQueue:
         if _release(self._view) != 0:
             raise RuntimeError(f"{self.name} queue: release with the queue empty (nothing was peeked)")
 
+    def try_publish(self) -> bool:
+        """publish, for a side that cannot trust its peer: False (nothing
+        moved) when the queue turned full since the reserve, because the
+        peer moved its counter back."""
+        if self._seg.closed:
+            raise self._closed()
+        return _publish(self._view) == 0
+
+    def try_release(self) -> bool:
+        """release, likewise: False when the peer took its message back."""
+        if self._seg.closed:
+            raise self._closed()
+        return _release(self._view) == 0
+
     def __len__(self) -> int:
         if self._seg.closed:
             raise self._closed()

@@ -29,21 +29,9 @@ def repair(seg, *, fault_injection: bool = False) -> list[str]:
     h = seg.header
     fixed: list[str] = []
     put = functools.partial(_put, fixed)
-    put(h, "abi_version", ABI_VERSION, "abi_version")
-    put(h, "header_bytes", HEADER_BYTES, "header_bytes")
-    put(h, "segment_bytes", seg.size, "segment_bytes")
-    put(h, "owner_uid", os.geteuid(), "owner_uid")
-    put(h, "daemon_pid", os.getpid(), "daemon_pid")
     put(h, "fault_injection", int(fault_injection), "fault_injection")
-    if seg.made_as is not None:
-        name, index = seg.made_as
-        if ffi.string(h.name) != name.encode() or h.worker_index != index:
-            fixed.append(f"name/index was {ffi.string(h.name)[:40]!r}/{h.worker_index}")
-            ffi.memmove(h.name, name.encode().ljust(len(h.name), b"\0"), len(h.name))
-            h.worker_index = index
-    if lib.sf_load_acquire_u64(ffi.addressof(h, "magic")) != MAGIC:
-        fixed.append("magic was wrong")
-        lib.sf_store_release_u64(ffi.addressof(h, "magic"), MAGIC)
+    name, index = seg.made_as or (ffi.string(h.name).decode(errors="replace"), int(h.worker_index))
+    fixed += repair_identity(seg, name, index, os.getpid())
     fixed += repair_geometry(seg)
     for q in _QUEUES:
         sq = seg.queues[q]
@@ -54,6 +42,27 @@ def repair(seg, *, fault_injection: bool = False) -> list[str]:
     if seg.stop_requested:
         fixed.append("stop_requested was set")
         seg.request_stop(False)
+    return fixed
+
+
+def repair_identity(seg, name: str, index: int, daemon_pid: int) -> list[str]:
+    """Line 0 and the daemon's pid: what a planner checks before it connects
+    (the worker puts it back as it knew it at its start)."""
+    h = seg.header
+    fixed: list[str] = []
+    put = functools.partial(_put, fixed)
+    put(h, "abi_version", ABI_VERSION, "abi_version")
+    put(h, "header_bytes", HEADER_BYTES, "header_bytes")
+    put(h, "segment_bytes", seg.size, "segment_bytes")
+    put(h, "owner_uid", os.geteuid(), "owner_uid")
+    put(h, "daemon_pid", daemon_pid, "daemon_pid")
+    if ffi.string(h.name) != name.encode() or h.worker_index != index:
+        fixed.append(f"name/index was {ffi.string(h.name)[:40]!r}/{h.worker_index}")
+        ffi.memmove(h.name, name.encode().ljust(len(h.name), b"\0"), len(h.name))
+        h.worker_index = index
+    if lib.sf_load_acquire_u64(ffi.addressof(h, "magic")) != MAGIC:
+        fixed.append("magic was wrong")
+        lib.sf_store_release_u64(ffi.addressof(h, "magic"), MAGIC)
     return fixed
 
 

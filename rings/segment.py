@@ -34,6 +34,14 @@ QUEUE_HEADER_BYTES = ffi.sizeof("Queue")
 RING_HEADER_BYTES = ffi.sizeof("DataRing")
 
 
+def state_name(state: int) -> str:
+    """SF_WORKER_* name of a state, or the number when it is none."""
+    try:
+        return WorkerState(state).name
+    except ValueError:
+        return str(int(state))
+
+
 def shm_dir() -> str:
     """Where segments live: $SUPERFLUID_SHM_DIR, else /dev/shm."""
     return os.environ.get("SUPERFLUID_SHM_DIR", "/dev/shm")
@@ -45,6 +53,17 @@ def segment_path(name: str, index: int) -> str:
     if not 0 <= index < 1 << 16:
         raise SegmentError(f"worker index {index}: must be in [0, 65536)")
     return os.path.join(shm_dir(), f"superfluid.{name}.{index}")
+
+
+def parse_segment_path(path: str) -> tuple[str, int] | None:
+    """(name, index) of a path segment_path made, else None."""
+    base = os.path.basename(path)
+    if not base.startswith("superfluid."):
+        return None
+    name, _, index = base[len("superfluid."):].rpartition(".")
+    if not NAME_RE.match(name) or not index.isdigit() or int(index) >= 1 << 16:
+        return None
+    return name, int(index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,17 +266,23 @@ class Segment:
         h = self.header
         try:
             if self.config is not None:
-                self._trusted_identity()
-            self._check_identity()
-            if self.config is not None:
+                # Told the geometry: write it, never read it back (a planner may
+                # be scribbling on it this very moment).
                 offsets, size = _plan_layout(self.config)
                 if size != self.size:
                     raise SegmentError(f"{self.path}: {self.size} bytes, but its config makes {size}")
+                self._trusted_identity()
                 for k, v in offsets.items():
                     setattr(h.layout, k, v)
+            else:
+                self._check_identity()
+                offsets = {f"{n}_{w}": int(getattr(h.layout, f"{n}_{w}"))
+                           for n, w in [(q, "queue") for q in _QUEUES] + [(r, "ring") for r, _, _ in _RINGS]}
+            self._offsets = offsets
             self.queues = {q: self._region(q, "queue") for q in _QUEUES}
             self.rings = {r: self._region(r, "ring") for r, _, _ in _RINGS}
-            self._check_layout()
+            if self.config is None:
+                self._check_layout()
         except BaseException:
             self._drop()
             raise
@@ -290,37 +315,45 @@ class Segment:
         raise SegmentError(f"{self.path}: not a segment (check {Connect(code).name})")
 
     def _trusted_identity(self) -> None:
-        """The worker knows what the segment is: it rewrites line 0 rather
-        than refusing a header a planner scribbled on. The file's owner and
-        size were checked by open_path; the magic stays the mark of a made one."""
+        """The worker knows what the segment is (the daemon said: a file of
+        this user, mode 0600, of the size its config makes): it rewrites line
+        0 rather than refusing a header a planner scribbled on."""
         h = self.header
-        if lib.sf_load_acquire_u64(ffi.addressof(h, "magic")) != MAGIC:
-            return  # never made into a segment: refuse it below
         h.abi_version = ABI_VERSION
         h.header_bytes = HEADER_BYTES
         h.segment_bytes = self.size
         h.owner_uid = os.geteuid()
+        lib.sf_store_release_u64(ffi.addressof(h, "magic"), MAGIC)
 
     def _check_layout(self) -> None:
-        """Regions apart and each ring the one its place says. Impossible
+        """Regions apart, packed as the daemon lays them out (each starts at
+        the cache line after the last; a scribbled slot count or capacity
+        shows as a gap), and each ring the one its place says. Impossible
         queue counters are not a reason to refuse a segment: the worker
         resets them and says so (a QueueReset on the event queue)."""
         spans = []
         for q, sq in self.queues.items():
-            off = getattr(self.header.layout, f"{q}_queue")
+            off = self._offsets[f"{q}_queue"]
             spans.append((off, off + lib.sf_queue_bytes(sq.n_slots, sq.slot_bytes), f"{q}_queue"))
         for (r, rid, _), ring in zip(_RINGS, self.rings.values()):
             if ring.ring_id != rid:
                 raise SegmentError(f"{self.path}: the {r} ring says it is ring {ring.ring_id}, expected {int(rid)}")
-            off = getattr(self.header.layout, f"{r}_ring")
+            off = self._offsets[f"{r}_ring"]
             spans.append((off, off + lib.sf_ring_bytes(ring.capacity), f"{r}_ring"))
         spans.sort()
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if end > start:
                 raise SegmentError(f"{self.path}: layout.{a} overlaps layout.{b}")
+        ends = [_up(HEADER_BYTES)] + [_up(end) for _, end, _ in spans]
+        for (start, _, a), want in zip(spans, ends):
+            if start != want:
+                raise SegmentError(f"{self.path}: layout.{a} starts at {start}, not at {want} where the region "
+                                   "before it ends (a slot count or capacity that is not the daemon's)")
+        if ends[-1] != self.size:
+            raise SegmentError(f"{self.path}: the regions end at {ends[-1]}, the segment at {self.size}")
 
     def _region(self, name: str, what: str):
-        off = getattr(self.header.layout, f"{name}_{what}")
+        off = self._offsets[f"{name}_{what}"]
         minimum = QUEUE_HEADER_BYTES if what == "queue" else RING_HEADER_BYTES
         if off % CACHE_LINE or off < HEADER_BYTES or off > self.size - minimum:
             raise SegmentError(f"{self.path}: layout.{name}_{what} = {off} is outside the segment")
@@ -388,8 +421,12 @@ class Segment:
         return lib.sf_load_acquire_u64(ffi.addressof(self._live(), "worker_epoch"))
 
     @property
-    def worker_state(self) -> WorkerState:
-        return WorkerState(self._u32("worker_state"))
+    def worker_state(self) -> WorkerState | int:
+        v = self._u32("worker_state")
+        try:
+            return WorkerState(v)
+        except ValueError:
+            return v  # no daemon or worker wrote that: a planner scribbled (readers must not choke on it)
 
     def set_worker_state(self, state: int) -> None:
         lib.sf_set_worker_state(self._live(), int(state))  # wakes sf_wait_ready sleepers
@@ -453,12 +490,6 @@ class Segment:
 
         return repair(self, fault_injection=fault_injection)
 
-    def repair_geometry(self) -> list[str]:
-        """The worker, now and then: see rings/repair.py."""
-        from superfluid.rings.repair import repair_geometry
-
-        return repair_geometry(self)
-
     @property
     def runtime(self) -> RuntimeDesc:
         r = self._live().runtime
@@ -484,7 +515,7 @@ class Segment:
         h = self._live()
         return {
             "path": self.path, "name": self.name, "index": self.index, "epoch": self.epoch,
-            "state": self.worker_state.name, "worker_pid": h.worker_pid, "daemon_pid": h.daemon_pid,
+            "state": state_name(self.worker_state), "worker_pid": h.worker_pid, "daemon_pid": h.daemon_pid,
             "restarts": h.restarts, "last_exit_status": h.last_exit_status,
             "state_age_s": max(0.0, (lib.sf_monotonic_ns() - h.state_changed_ns) / 1e9) if h.state_changed_ns else None,
             "bytes": self.size, "time": time.time(),

@@ -257,3 +257,28 @@ def test_stale_segments_of_another_owner_are_named_and_left(tmp_path: Path):
         s.close()
         if os.path.exists(theirs):
             os.unlink(theirs)
+
+
+def test_header_values_no_daemon_or_worker_writes_are_survived(daemon):
+    # An unknown state, counters at their maximum, the epoch about to wrap: read,
+    # counted and restarted past without an exception in the worker or the daemon.
+    pid = alive(daemon)
+    with hostile(daemon) as h:
+        h.header.worker_state = 99
+        h.header.restarts = (1 << 32) - 1
+        h.header.counters.stale_messages = (1 << 64) - 1
+        h.header.counters.queue_resets = (1 << 64) - 1
+        h.set_epoch((1 << 64) - 1)
+        wait_for(lambda: h.worker_state == WorkerState.READY, "the worker's report back", 5)
+        assert read_status(daemon.name)["workers"][0]["state"] == "READY"
+        with connect(daemon) as c:  # a stale op and plan: counted by the worker, not by += on the header
+            body = msgpack.packb({"op": "DESCRIBE", "op_id": 1})
+            c.seg.op_queue.send_bytes(MsgKind.OP, body, timeout=WAIT_S, session=c.session + 1)
+            assert c.tick(PlanBuilder(0)).status == Status.OK
+            assert int(c.seg.header.worker_pid) == pid  # the same worker all along
+        h.set_epoch((1 << 64) - 1)
+        os.kill(pid, 9)
+        wait_for(lambda: (state_of(daemon.name) or {}).get("state") == "READY"
+                 and state_of(daemon.name)["pid"] != pid, "the restarted worker")
+        assert h.epoch < (1 << 63)  # the daemon's own count, not the scribble plus one
+    assert alive(daemon) != pid and daemon.proc.poll() is None

@@ -91,7 +91,7 @@ int main(int argc, char **argv) {
             return 8;
         in = sf_queue_try_peek(&events);
         em = (MsgHeader *)in;
-        if (em->session == 0 || em->session == session)
+        if (em->session == session || (em->session == 0 && (em->kind == SF_MSG_WORKER || em->kind == SF_MSG_RESET)))
             break;
         sf_queue_release(&events); /* an earlier session's reply */
     }
