@@ -90,6 +90,7 @@ class Worker:
         # the path it gave, the daemon is our parent. What to put back on line 0.
         named = parse_segment_path(segment.path)
         self._identity = None if segment.config is None or named is None else (*named, os.getppid())
+        self._desc = executor.desc.to_record()  # what the header's runtime description must say
         self.slot_bytes = segment.event_queue.slot_bytes
         executor.partial_sink = self._partial
         executor.event_capacity = self.slot_bytes
@@ -239,6 +240,9 @@ class Worker:
             fixes = repair_geometry(seg)
             if self._identity is not None:
                 fixes += repair_identity(seg, *self._identity)
+            if seg.runtime != self._desc:
+                seg.runtime = self._desc
+                fixes.append("the runtime description was not this worker's")
             for fix in fixes:
                 print(f"superfluid worker: segment header repaired: {fix}", file=sys.stderr)
 
@@ -347,7 +351,7 @@ class Worker:
         the process with 70 from inside the executor."""
         seg = self.seg
         seg.header.worker_pid = self.pid
-        seg.runtime = self.ex.desc.to_record()
+        seg.runtime = self._desc
         self._report()
         plans = seg.plan_queue
         spin = DEFAULT_SPIN_NS  # right after a tick the next plan often follows: spin for it first

@@ -282,3 +282,13 @@ def test_header_values_no_daemon_or_worker_writes_are_survived(daemon):
                  and state_of(daemon.name)["pid"] != pid, "the restarted worker")
         assert h.epoch < (1 << 63)  # the daemon's own count, not the scribble plus one
     assert alive(daemon) != pid and daemon.proc.poll() is None
+
+
+def test_a_scribbled_runtime_description_is_put_back(daemon):
+    pid = alive(daemon)
+    with hostile(daemon) as h:
+        want = h.runtime
+        h.header.runtime.vocab_size = 7
+        h.header.runtime.flags = 0xFFFF
+        wait_for(lambda: h.runtime == want, "the worker to put its description back", 5)
+    assert alive(daemon) == pid
