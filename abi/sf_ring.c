@@ -89,6 +89,87 @@ static int peer_check(const SegmentHeader *seg, uint64_t epoch, int watch_stop) 
     return SF_WAIT_READY;
 }
 
+/* ---------------------------------------------------------------- names */
+
+const char *sf_status_name(uint32_t v) {
+    switch (v) {
+    case SF_STATUS_OK: return "OK";
+    case SF_STATUS_RejectIllegalCombination: return "RejectIllegalCombination";
+    case SF_STATUS_RejectBudget: return "RejectBudget";
+    case SF_STATUS_RejectBounds: return "RejectBounds";
+    case SF_STATUS_RejectUnknownLane: return "RejectUnknownLane";
+    case SF_STATUS_RejectHostRules: return "RejectHostRules";
+    case SF_STATUS_RejectStaleNonce: return "RejectStaleNonce";
+    case SF_STATUS_RejectStaleSeed: return "RejectStaleSeed";
+    case SF_STATUS_RejectBadRefGeneration: return "RejectBadRefGeneration";
+    case SF_STATUS_NeedsReplan: return "NeedsReplan";
+    case SF_STATUS_Fatal: return "Fatal";
+    case SF_STATUS_StaleSession: return "StaleSession";
+    default: return "unknown";
+    }
+}
+
+const char *sf_opst_name(uint32_t v) {
+    switch (v) {
+    case SF_OPST_OK: return "OK";
+    case SF_OPST_BadRequest: return "BadRequest";
+    case SF_OPST_UnknownOp: return "UnknownOp";
+    case SF_OPST_UnknownHandle: return "UnknownHandle";
+    case SF_OPST_Refused: return "Refused";
+    case SF_OPST_Unsupported: return "Unsupported";
+    case SF_OPST_NoMatch: return "NoMatch";
+    case SF_OPST_Capacity: return "Capacity";
+    case SF_OPST_StaleSession: return "StaleSession";
+    default: return "unknown";
+    }
+}
+
+const char *sf_worker_state_name(uint32_t v) {
+    switch (v) {
+    case SF_WORKER_EMPTY: return "EMPTY";
+    case SF_WORKER_STARTING: return "STARTING";
+    case SF_WORKER_READY: return "READY";
+    case SF_WORKER_STOPPING: return "STOPPING";
+    case SF_WORKER_STOPPED: return "STOPPED";
+    case SF_WORKER_DEAD: return "DEAD";
+    case SF_WORKER_GAVE_UP: return "GAVE_UP";
+    default: return "unknown";
+    }
+}
+
+const char *sf_msg_kind_name(uint32_t v) {
+    switch (v) {
+    case SF_MSG_PLAN: return "PLAN";
+    case SF_MSG_EVENTS: return "EVENTS";
+    case SF_MSG_OP: return "OP";
+    case SF_MSG_OP_EVENTS: return "OP_EVENTS";
+    case SF_MSG_PARTIAL: return "PARTIAL";
+    case SF_MSG_WORKER: return "WORKER";
+    case SF_MSG_RESET: return "RESET";
+    default: return "unknown";
+    }
+}
+
+const char *sf_op_name(uint32_t v) {
+    switch (v) {
+    case SF_OP_DESCRIBE: return "DESCRIBE";
+    case SF_OP_LEASE_SEED: return "LEASE_SEED";
+    case SF_OP_RELEASE_SEED: return "RELEASE_SEED";
+    case SF_OP_REGISTER_GRAMMAR: return "REGISTER_GRAMMAR";
+    case SF_OP_RELEASE_GRAMMAR: return "RELEASE_GRAMMAR";
+    case SF_OP_REGISTER_LOGIT_BIAS: return "REGISTER_LOGIT_BIAS";
+    case SF_OP_RELEASE_LOGIT_BIAS: return "RELEASE_LOGIT_BIAS";
+    case SF_OP_INSTALL_STRATEGY: return "INSTALL_STRATEGY";
+    case SF_OP_EXPORT_ENTRY: return "EXPORT_ENTRY";
+    case SF_OP_IMPORT_STATE: return "IMPORT_STATE";
+    case SF_OP_INJECT_FAULT: return "INJECT_FAULT";
+    case SF_OP_CACHE_CLEAR: return "CACHE_CLEAR";
+    case SF_OP_LIST_LANES: return "LIST_LANES";
+    case SF_OP_RETIRE_LANES: return "RETIRE_LANES";
+    default: return "unknown";
+    }
+}
+
 /* -------------------------------------------------------------- sessions */
 
 int sf_segment_check(const SegmentHeader *seg, uint64_t mapped_bytes) {

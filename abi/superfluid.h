@@ -209,6 +209,25 @@ typedef struct Span {
     uint32_t count;   /* records (bytes for message and payload spans) */
 } Span;
 
+/* Wire rules (every queue, every language):
+ * - A slot is MsgHeader, then the record (record_bytes == its struct_size,
+ *   exactly: a size this build does not know is refused, RejectBounds, never
+ *   guessed at), then the arena from the next SF_ARENA_ALIGN boundary.
+ * - A list is a Span into the arena: offset in bytes from the arena start
+ *   (a multiple of SF_ARENA_ALIGN), count in records; an empty list is
+ *   {0, 0}. Byte strings (message, payload) are spans of bytes.
+ * - An op (SF_MSG_OP) has no record: record_bytes 0, the msgpack map right
+ *   after the MsgHeader, arena_bytes its length. Keys: "op" (name or SF_OP_*
+ *   code), "op_id" (u64, echoed in its OpCompletion), then the op's fields
+ *   (SPEC §7; LIST_LANES and RETIRE_LANES in executor/lane_ops.py).
+ * - The event queue carries SF_MSG_EVENTS (one per plan, in plan order),
+ *   SF_MSG_OP_EVENTS (completions of ops run between ticks, or those that did
+ *   not fit a tick's events), SF_MSG_WORKER (the daemon: a worker died, is
+ *   starting, or was given up: wait for READY again) and SF_MSG_RESET.
+ * - Waits: spin about 200 us (a peer's turnaround), then sleep on the futex;
+ *   every timeout is in ns in C (< 0: none), seconds in Python.
+ */
+
 /* Leads every queue slot. The record starts right after it; the arena
  * starts at the next SF_ARENA_ALIGN boundary after the record. */
 typedef struct MsgHeader {
@@ -621,6 +640,15 @@ int sf_session_unlock(int fd);
 int sf_wait_ready(const SegmentHeader *seg, uint64_t after_epoch, int64_t timeout_ns, uint64_t *epoch);
 uint64_t sf_session_begin(SegmentHeader *seg);
 void sf_set_worker_state(SegmentHeader *seg, uint32_t state);
+
+/* Names of the constants, for logs and error messages in every language:
+ * "RejectBudget", "UnknownHandle", "READY", "EVENTS", "LEASE_SEED", ...;
+ * "unknown" for a value that is none of them. */
+const char *sf_status_name(uint32_t status);
+const char *sf_opst_name(uint32_t status);
+const char *sf_worker_state_name(uint32_t state);
+const char *sf_msg_kind_name(uint32_t kind);
+const char *sf_op_name(uint32_t op);
 
 /* Futex on a shared (not process-private) word. wait: 0 woken or value
  * differed, 1 timed out, -errno on error. timeout_ns < 0 = no timeout.

@@ -101,3 +101,14 @@ def test_lane_logprob_holds_max_top_logprobs():
     dt = record_dtype("LaneLogprob")
     assert dt["top_ids"].shape == (abi.MAX_TOP_LOGPROBS,)
     assert dt["top_logprobs"].base == np.dtype("<f4")
+
+
+@pytest.mark.parametrize("fn,enum", [("sf_status_name", "Status"), ("sf_opst_name", "OpStatus"),
+                                     ("sf_worker_state_name", "WorkerState"), ("sf_msg_kind_name", "MsgKind"),
+                                     ("sf_op_name", "OpKind")])
+def test_every_constant_has_its_name_in_c(fn, enum):
+    # The names other languages print come from sf_ring.c: one per constant of the header.
+    names = getattr(lib, fn)
+    for e in getattr(abi, enum):
+        assert ffi.string(names(int(e))).decode() == e.name
+    assert ffi.string(names(12345)) == b"unknown"  # negative control

@@ -1,0 +1,31 @@
+//! The planner's side of a superfluid worker, from Rust: the records and
+//! functions of `abi/superfluid.h` (`abi`, generated) and a connection that
+//! follows the header's session protocol (`Connection`).
+pub mod abi;
+mod connection;
+mod plan;
+
+pub use connection::{Completion, Connection, Describe, Error, Events, RuntimeInfo};
+pub use plan::Plan;
+
+/// The header's names of its constants (from sf_ring.c, as in every language).
+pub mod names {
+    use crate::abi;
+
+    fn s(p: *mut u8) -> &'static str {
+        // sf_ring.c returns static NUL-terminated ASCII.
+        unsafe { core::ffi::CStr::from_ptr(p as *const core::ffi::c_char) }.to_str().unwrap_or("unknown")
+    }
+    pub fn status(v: u32) -> &'static str {
+        s(unsafe { abi::sf_status_name(v) })
+    }
+    pub fn op_status(v: u32) -> &'static str {
+        s(unsafe { abi::sf_opst_name(v) })
+    }
+    pub fn worker_state(v: u32) -> &'static str {
+        s(unsafe { abi::sf_worker_state_name(v) })
+    }
+    pub fn op(v: u32) -> &'static str {
+        s(unsafe { abi::sf_op_name(v) })
+    }
+}

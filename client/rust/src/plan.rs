@@ -1,0 +1,109 @@
+//! A TickPlan and its lists, encoded into a plan-queue slot: MsgHeader,
+//! the record, then the arena at the next 8-byte boundary, every list a
+//! Span {offset from the arena start, count}; an empty list is {0, 0}.
+use crate::abi::*;
+use core::mem::size_of;
+
+/// One tick's plan. `plan_seq` 0 lets the connection number it.
+#[derive(Clone, Default)]
+pub struct Plan {
+    pub plan_seq: u64,
+    pub flags: u32,
+    pub max_decode_lanes: Option<u32>,
+    pub prefill_token_budget: u32,
+    pub admits: Vec<LaneAdmit>,
+    pub prefills: Vec<LanePrefill>,
+    pub decodes: Vec<LaneDecode>,
+    pub commits: Vec<LaneCommit>,
+    pub retires: Vec<LaneRetire>,
+}
+
+fn zeroed<T: Copy>() -> T {
+    // Every record is plain integers and floats: all-zero is a valid value.
+    unsafe { core::mem::zeroed() }
+}
+
+impl Plan {
+    pub fn new(prefill_token_budget: u32) -> Self {
+        Plan { prefill_token_budget, ..Default::default() }
+    }
+
+    /// A greedy lane with default parameters.
+    pub fn admit(&mut self, lane_tag: u64, prompt: RingRef) -> &mut Self {
+        let mut a: LaneAdmit = zeroed();
+        a.lane_tag = lane_tag;
+        a.prompt = prompt;
+        a.sampling = SF_SAMPLING_GPU_GREEDY;
+        self.admits.push(a);
+        self
+    }
+
+    pub fn prefill(&mut self, lane_tag: u64, token_offset: u32, token_count: u32) -> &mut Self {
+        self.prefills.push(LanePrefill { lane_tag, token_offset, token_count });
+        self
+    }
+
+    pub fn decode(&mut self, lane_tag: u64, max_new_tokens: u16) -> &mut Self {
+        self.decodes.push(LaneDecode { lane_tag, max_new_tokens, overshoot: 0, _pad0: 0 });
+        self
+    }
+
+    pub fn retire(&mut self, lane_tag: u64, publish: bool) -> &mut Self {
+        self.retires.push(LaneRetire { lane_tag, publish_to_cache: publish as u8, _pad0: [0; 7] });
+        self
+    }
+
+    /// The message's bytes (what goes into a slot).
+    pub fn encode(&self, plan_seq: u64, session: u64) -> Vec<u8> {
+        let arena_at = size_of::<MsgHeader>() + align(size_of::<TickPlan>());
+        let mut arena: Vec<u8> = Vec::new();
+        let admits = put(&mut arena, &self.admits);
+        let prefills = put(&mut arena, &self.prefills);
+        let decodes = put(&mut arena, &self.decodes);
+        let commits = put(&mut arena, &self.commits);
+        let retires = put(&mut arena, &self.retires);
+        let mut p: TickPlan = zeroed();
+        p.struct_size = size_of::<TickPlan>() as u64;
+        p.plan_seq = plan_seq;
+        p.flags = self.flags;
+        p.max_decode_lanes = self.max_decode_lanes.unwrap_or(self.decodes.len() as u32);
+        p.prefill_token_budget = self.prefill_token_budget;
+        p.admits = admits;
+        p.prefills = prefills;
+        p.decodes = decodes;
+        p.commits = commits;
+        p.retires = retires;
+        let h = MsgHeader {
+            kind: SF_MSG_PLAN,
+            record_bytes: size_of::<TickPlan>() as u32,
+            arena_bytes: arena.len() as u64,
+            session,
+        };
+        let mut out = vec![0u8; arena_at + arena.len()];
+        out[..size_of::<MsgHeader>()].copy_from_slice(bytes_of(&h));
+        out[size_of::<MsgHeader>()..size_of::<MsgHeader>() + size_of::<TickPlan>()].copy_from_slice(bytes_of(&p));
+        out[arena_at..].copy_from_slice(&arena);
+        out
+    }
+}
+
+pub(crate) fn align(n: usize) -> usize {
+    (n + SF_ARENA_ALIGN as usize - 1) / SF_ARENA_ALIGN as usize * SF_ARENA_ALIGN as usize
+}
+
+pub(crate) fn bytes_of<T: Copy>(v: &T) -> &[u8] {
+    // Records have explicit padding (the header's rule): no uninitialised bytes.
+    unsafe { core::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }
+}
+
+fn put<T: Copy>(arena: &mut Vec<u8>, items: &[T]) -> Span {
+    if items.is_empty() {
+        return Span { offset: 0, count: 0 };
+    }
+    let offset = arena.len() as u32;
+    for it in items {
+        arena.extend_from_slice(bytes_of(it));
+    }
+    arena.resize(align(arena.len()), 0);
+    Span { offset, count: items.len() as u32 }
+}

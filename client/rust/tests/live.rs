@@ -1,0 +1,115 @@
+// Against a live `superfluid serve --fake`: connect through the session
+// protocol, run a lane, and get the tokens a Python Client gets for the
+// same plan on the same worker (a second session). SUPERFLUID_PYTHON names
+// the interpreter (the pytest wrapper sets it); without it the test says so
+// and passes nothing off as checked.
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+use superfluid::abi::*;
+use superfluid::{Connection, Error, Plan};
+
+struct Daemon(Child, String);
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SIGTERM: the daemon drains and removes its segments.
+        unsafe { kill(self.0.id() as i32, 15) };
+        let _ = self.0.wait();
+    }
+}
+
+fn python() -> Option<String> {
+    std::env::var("SUPERFLUID_PYTHON").ok()
+}
+
+fn serve(py: &str, name: &str) -> Daemon {
+    let child = Command::new(py)
+        .args(["-m", "superfluid", "serve", "--fake", "--name", name, "--log-level", "WARNING"])
+        .spawn()
+        .expect("superfluid serve");
+    Daemon(child, name.into())
+}
+
+fn connect(name: &str) -> Connection {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match Connection::connect(name, 0, Duration::from_secs(60)) {
+            Ok(c) => return c,
+            Err(Error::Segment(_)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("connect: {e:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_rust_planner_gets_the_python_clients_tokens() {
+    let Some(py) = python() else {
+        eprintln!("SUPERFLUID_PYTHON is not set: no daemon to test against (run through pytest)");
+        return;
+    };
+    let name = format!("rs{}", std::process::id());
+    let d = serve(&py, &name);
+    let prompt = [5u32, 6, 7, 8, 9];
+    let mine = {
+        let mut c = connect(&d.1);
+        assert!(c.session != 0);
+        let desc = c.describe(Duration::from_secs(30)).unwrap();
+        assert_eq!((desc.abi_version, desc.runtime.runtime_id.as_str()), (SF_ABI_VERSION, "fake"));
+        assert!(desc.runtime.vocab_size > 0 && desc.worker_epoch == c.epoch);
+        let bad = c.op("NO_SUCH_OP", &std::collections::HashMap::<String, u8>::new(), Duration::from_secs(30)).unwrap();
+        assert_eq!(bad.status, SF_OPST_UnknownOp);
+        assert_eq!(superfluid::names::op_status(bad.status), "UnknownOp");
+        assert_eq!(superfluid::names::status(SF_STATUS_StaleSession), "StaleSession");
+        let r = c.write_prompt(&prompt).unwrap();
+        let mut p = Plan::new(64);
+        p.admit(7, r).prefill(7, 0, prompt.len() as u32).decode(7, 12);
+        let ev = c.tick(&p, Duration::from_secs(30)).unwrap();
+        assert_eq!(ev.status, SF_STATUS_OK, "{}", ev.message);
+        assert_eq!(ev.admit_results.len(), 1);
+        let toks = c.read_tokens(&ev.emits[0].token_ref).unwrap();
+        let mut p = Plan::new(0);
+        p.retire(7, false);
+        assert_eq!(c.tick(&p, Duration::from_secs(30)).unwrap().status, SF_STATUS_OK);
+        // A second planner is refused while this one holds the worker.
+        assert!(matches!(Connection::connect(&d.1, 0, Duration::from_secs(1)), Err(Error::Taken)));
+        toks
+    };
+    assert_eq!(mine.len(), 12);
+    let script = format!(
+        "from superfluid.client import Client, PlanBuilder\n\
+         with Client.connect({name:?}, 0, timeout=60) as c:\n\
+         \x20   r = c.write_prompt({prompt:?})\n\
+         \x20   ev = c.tick(PlanBuilder(0, prefill_token_budget=64).admit(7, r).prefill(7, 0, 5).decode(7, 12))\n\
+         \x20   print(' '.join(map(str, c.tokens(ev.emits[0]))))\n",
+        name = d.1,
+        prompt = prompt
+    );
+    let out = Command::new(&py).args(["-c", &script]).output().expect("python");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let theirs: Vec<u32> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(|t| t.parse().unwrap()).collect();
+    assert_eq!(mine, theirs);
+}
+
+#[test]
+fn a_header_of_another_abi_version_is_refused_at_connect() {
+    let Some(py) = python() else { return };
+    let name = format!("rv{}", std::process::id());
+    let d = serve(&py, &name);
+    drop(connect(&d.1));
+    // abi_version 1 in place: what a planner of this build sees on another ABI's segment.
+    let path = format!("{}/superfluid.{}.0", std::env::var("SUPERFLUID_SHM_DIR").unwrap_or("/dev/shm".into()), d.1);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.seek(SeekFrom::Start(8)).unwrap();
+        f.write_all(&1u32.to_le_bytes()).unwrap();
+    }
+    match Connection::connect(&d.1, 0, Duration::from_secs(1)) {
+        Err(Error::Segment(m)) => assert!(m.contains(&format!("says {SF_CONNECT_ABI}")), "{m}"),
+        other => panic!("expected a refusal, got {:?}", other.map(|c| c.session)),
+    }
+}
