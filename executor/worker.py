@@ -127,9 +127,9 @@ class Worker:
         self._outbox.append(("TickEvents", ev._replace(op_completions=comps[:keep]) if keep < len(comps) else ev,
                              session))
         if keep < len(comps):
-            self._emit_completions(list(comps[keep:]), session)
+            self._emit_completions(list(comps[keep:]), session, counted=True)  # metrics.tick counted them
 
-    def _emit_completions(self, comps: list, session: int) -> None:
+    def _emit_completions(self, comps: list, session: int, counted: bool = False) -> None:
         """OpEvents messages, each filling a slot; a completion too big for
         any slot is answered Capacity instead (nothing is dropped silently)."""
         chunk: list = []
@@ -148,7 +148,7 @@ class Worker:
             room -= n
         if chunk:
             self._outbox.append(("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(chunk)), session))
-        if self.metrics is not None:
+        if self.metrics is not None and not counted:
             self.metrics.ops(comps)
 
     def _flush_ops(self) -> None:
