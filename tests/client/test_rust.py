@@ -29,4 +29,4 @@ def test_cargo_test_against_a_live_daemon(tmp_path):
     r = subprocess.run(["cargo", "test", "--offline", "--quiet"], cwd=CRATE, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "2 passed" in r.stdout, r.stdout
+    assert "3 passed" in r.stdout, r.stdout

@@ -177,6 +177,26 @@ impl Connection {
         self.base as *mut SegmentHeader
     }
 
+    /// The worker process serving now (the header's report).
+    pub fn worker_pid(&self) -> u32 {
+        unsafe { sf_load_acquire_u32(&mut (*self.header()).worker_pid) }
+    }
+
+    /// After WorkerGone: wait for the next READY worker and talk to it in
+    /// the same session (SPEC §9: its lanes are gone; re-admit them with
+    /// their replay). plan_seq keeps counting.
+    pub fn reconnect(&mut self, timeout: Duration) -> Result<u64, Error> {
+        let mut epoch = 0u64;
+        let r = unsafe { sf_wait_ready(self.header(), self.epoch, timeout.as_nanos() as i64, &mut epoch) };
+        if r != SF_WAIT_READY as i32 {
+            return Err(if r == SF_WAIT_TIMEOUT as i32 { Error::Timeout("READY") } else { Error::WorkerGone });
+        }
+        self.epoch = epoch;
+        self.ready.clear();
+        self.completions.clear();
+        Ok(epoch)
+    }
+
     pub fn write_prompt(&mut self, tokens: &[u32]) -> Result<RingRef, Error> {
         let mut r: RingRef = unsafe { core::mem::zeroed() };
         let st = unsafe { sf_ring_write(&mut self.prompt, tokens.as_ptr() as *mut c_void, tokens.len() as u64, &mut r) };
@@ -242,7 +262,7 @@ impl Connection {
             core::slice::from_raw_parts(self.events.slots.add(i as usize * self.events.slot_bytes as usize),
                                         self.events.slot_bytes as usize)
         };
-        let got = decode_message(slot, self.session);
+        let got = decode_message(slot, self.session, self.epoch);
         unsafe { sf_queue_release(&mut self.events) };
         if let Some((ev, comps)) = got? {
             for c in comps {
@@ -351,8 +371,17 @@ fn record<'a, R: Copy>(slot: &'a [u8], h: &MsgHeader) -> Result<(R, &'a [u8]), E
 
 /// This session's events and completions of a message; None for what is
 /// not this session's (an earlier planner's replies) or not a reply.
-fn decode_message(slot: &[u8], session: u64) -> Result<Option<(Option<Events>, Vec<Completion>)>, Error> {
+fn decode_message(slot: &[u8], session: u64, epoch: u64) -> Result<Option<(Option<Events>, Vec<Completion>)>, Error> {
     let h: MsgHeader = read(slot, 0)?;
+    if h.kind == SF_MSG_WORKER && h.session == 0 {
+        // The daemon's word: a worker died, starts, or was given up.
+        let (n, _) = record::<WorkerNotice>(slot, &h)?;
+        let gone = matches!(n.worker_state, SF_WORKER_STOPPED | SF_WORKER_DEAD | SF_WORKER_GAVE_UP);
+        if n.worker_epoch > epoch || (n.worker_epoch == epoch && gone) {
+            return Err(Error::WorkerGone);
+        }
+        return Ok(None); // old news (an earlier epoch's), or our worker starting
+    }
     if h.session != session {
         return Ok(None);
     }
@@ -364,6 +393,9 @@ fn decode_message(slot: &[u8], session: u64) -> Result<Option<(Option<Events>, V
         return Ok(None);
     }
     let (e, arena) = record::<TickEvents>(slot, &h)?;
+    if e.worker_epoch != epoch {
+        return Ok(None); // a dead worker's answer: its plan is void
+    }
     let msg: Vec<u8> = list(arena, e.message)?;
     let comps = completions(arena, e.op_completions)?;
     Ok(Some((Some(Events {

@@ -38,6 +38,15 @@ impl Plan {
         self
     }
 
+    /// Re-admission after a restart (SPEC §9): `prompt` is the original
+    /// prompt and the tokens generated so far, the last `replay` of which are
+    /// fed as decode rounds (not emitted again).
+    pub fn admit_replay(&mut self, lane_tag: u64, prompt: RingRef, replay: u32) -> &mut Self {
+        self.admit(lane_tag, prompt);
+        self.admits.last_mut().unwrap().decode_replay = replay;
+        self
+    }
+
     pub fn prefill(&mut self, lane_tag: u64, token_offset: u32, token_count: u32) -> &mut Self {
         self.prefills.push(LanePrefill { lane_tag, token_offset, token_count });
         self

@@ -113,3 +113,66 @@ fn a_header_of_another_abi_version_is_refused_at_connect() {
         other => panic!("expected a refusal, got {:?}", other.map(|c| c.session)),
     }
 }
+
+/// One lane, `grant` tokens a tick, until `n` tokens; kills the worker once
+/// after `kill_after` tokens and recovers as SPEC §9 says.
+fn run_lane(c: &mut Connection, prompt: &[u32], n: usize, kill_after: Option<usize>) -> (Vec<u32>, usize) {
+    let t = Duration::from_secs(60);
+    let mut got: Vec<u32> = Vec::new();
+    let mut admitted = false;
+    let mut restarts = 0;
+    let mut kill_after = kill_after;
+    while got.len() < n {
+        let mut p = Plan::new(256);
+        if !admitted {
+            let full: Vec<u32> = prompt.iter().chain(got.iter()).copied().collect();
+            let r = c.write_prompt(&full).unwrap();
+            p.admit_replay(7, r, got.len() as u32).prefill(7, 0, prompt.len() as u32);
+            p.admits[0].params.flags = SF_PARAM_IGNORE_EOS; // n tokens, whatever they are
+        }
+        let replay = if admitted { 0 } else { got.len() };
+        p.decode(7, (replay + 1) as u16);
+        match c.tick(&p, t) {
+            Ok(ev) => {
+                assert_eq!(ev.status, SF_STATUS_OK, "{}", ev.message);
+                admitted = true;
+                got.extend(c.read_tokens(&ev.emits[0].token_ref).unwrap());
+            }
+            Err(Error::WorkerGone) => {
+                if let Err(e) = c.reconnect(t) {
+                    panic!("reconnect: {e:?} (epoch {}, worker pid {})", c.epoch, c.worker_pid());
+                }
+                admitted = false; // its lanes died with it
+                restarts += 1;
+                continue;
+            }
+            Err(e) => panic!("tick: {e:?}"),
+        }
+        if kill_after.map_or(false, |k| got.len() >= k) {
+            unsafe { kill(c.worker_pid() as i32, 9) };
+            kill_after = None;
+        }
+    }
+    (got, restarts)
+}
+
+#[test]
+fn a_rust_planner_recovers_a_lane_bitwise_after_a_worker_kill() {
+    let Some(py) = python() else { return };
+    let name = format!("rk{}", std::process::id());
+    let child = Command::new(&py)
+        .args(["-m", "superfluid", "serve", "--fake", "--name", &name, "--log-level", "WARNING",
+               "--restart-backoff", "0.05"])
+        .spawn()
+        .expect("superfluid serve");
+    let d = Daemon(child, name);
+    let prompt = [11u32, 12, 13, 14, 15, 16];
+    let mut c = connect(&d.1);
+    let (plain, r0) = run_lane(&mut c, &prompt, 16, None);
+    let mut p = Plan::new(0);
+    p.retire(7, false);
+    assert_eq!(c.tick(&p, Duration::from_secs(30)).unwrap().status, SF_STATUS_OK);
+    let (recovered, r1) = run_lane(&mut c, &prompt, 16, Some(6));
+    assert_eq!((r0, r1), (0, 1)); // negative control: the kill did restart the worker
+    assert_eq!(recovered, plain);
+}
