@@ -34,9 +34,8 @@ from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, shm_dir
 
 from tests.daemon.test_daemon import WAIT_S, Serve, state_of, wait_for
+from tests.daemon.test_planner_boundary import FAKE, start_fake
 
-FAKE = ("--fake", "--page", "4", "--max-seq-len", "512", "--fake-step-cost", "0.004", "--fault-injection",
-        "--restart-backoff", "0.05", "--crash-loop", "50/60")
 QUEUES = ("plan", "event", "op", "stream")
 RINGS = ("prompt", "token", "logits")
 U64 = (1 << 64) - 1
@@ -45,11 +44,9 @@ U32 = (1 << 32) - 1
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory) -> Serve:
-    name = f"ht{os.getpid()}"
-    s = Serve(tmp_path_factory.mktemp("hostile"), name, *FAKE)
+    s = start_fake(tmp_path_factory, "ht")
     try:
-        s.wait_log("worker 0 ready (epoch 1")
-        with Segment.open(name, 0) as seg:  # the layout as the daemon made it
+        with Segment.open(s.name, 0) as seg:  # the layout as the daemon made it
             s.layout = {k: int(getattr(seg.header.layout, k)) for k in
                         [f"{q}_queue" for q in QUEUES] + [f"{r}_ring" for r in RINGS]}
             s.geometry = {q: (seg.queues[q].n_slots, seg.queues[q].slot_bytes) for q in QUEUES}

@@ -25,12 +25,21 @@ FAKE = ("--fake", "--page", "4", "--max-seq-len", "512", "--fake-step-cost", "0.
         "--restart-backoff", "0.05", "--crash-loop", "50/60")
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Serve:
-    name = f"pb{os.getpid()}"
-    s = Serve(tmp_path_factory.mktemp("boundary"), name, *FAKE)
+def start_fake(tmp_path_factory, prefix: str) -> Serve:
+    """A `superfluid serve` of the fake runtime, READY (a module's daemon)."""
+    s = Serve(tmp_path_factory.mktemp(prefix), f"{prefix}{os.getpid()}", *FAKE)
     try:
         s.wait_log("worker 0 ready (epoch 1")
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory) -> Serve:
+    s = start_fake(tmp_path_factory, "pb")
+    try:
         yield s
     finally:
         s.close()
