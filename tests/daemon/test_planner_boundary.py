@@ -6,6 +6,7 @@ worker before sessions, the daemon's channel and the queue guards."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -97,10 +98,18 @@ def test_a_new_session_never_gets_an_earlier_sessions_replies(daemon):
     first = a.submit(PlanBuilder(0, prefill_token_budget=64).admit(tag, a.write_prompt(prompt)).prefill(
         tag, 0, len(prompt)).decode(tag, 200))
     wait_for(lambda: len(a.seg.plan_queue) == 0, "the first plan in flight")
-    queued = [a.submit(PlanBuilder(0).admit(a.new_lane_tag(), a.write_prompt(prompt))) for _ in range(5)]
-    a.close()
+    # Held still while A queues and dies and B begins: otherwise a quick first plan lets the
+    # worker run A's queue in A's own session, and nothing is stale (a timing race, not a test).
+    worker = int(a.seg.header.worker_pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        queued = [a.submit(PlanBuilder(0).admit(a.new_lane_tag(), a.write_prompt(prompt))) for _ in range(5)]
+        a.close()
+        b = connect(daemon)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     # Session B picks plan_seq 1 again, as A did: A's reply to plan 1 must not pass for B's.
-    with connect(daemon) as b:
+    with b:
         assert first == 1 and b.next_plan_seq() == 1 and queued
         p = Planner(b, reconnect_timeout=WAIT_S)
         rid = p.submit(prompt, 12, stop_at_eos=False)
