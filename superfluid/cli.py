@@ -16,6 +16,7 @@ import superfluid
 
 COMMANDS: tuple[str, ...] = (
     "superfluid.bench",
+    "superfluid.client.workload",
     "superfluid.daemon.serve",
     "superfluid.daemon.status",
     "superfluid.demo",
