@@ -1,32 +1,70 @@
 """The Rust planner crate (client/rust): generated declarations up to date
-with the header, and `cargo test` against a live daemon."""
+with the header, `cargo test` against live daemons (its planner against the
+Python one, token for token), and the README's example run."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from superfluid.abi import gen_bindings
 
-CRATE = os.path.join(os.path.dirname(__file__), "..", "..", "client", "rust")
+from tests.daemon.test_daemon import Serve
+
+ROOT = Path(__file__).resolve().parents[2]
+CRATE = ROOT / "client" / "rust"
+TESTS = 7  # tests/live.rs 3, tests/planner.rs 4
 
 
 def test_the_generated_bindings_match_the_header():
     assert gen_bindings.main(["--check"]) == 0
 
 
-def test_cargo_test_against_a_live_daemon(tmp_path):
+def _cargo() -> None:
     if shutil.which("cargo") is None:
         pytest.skip("cargo is not installed: the Rust crate is not built here")
-    if not glob.glob("/usr/share/cargo/registry/rmp-serde-*"):
-        pytest.skip("Debian's crates (librust-rmp-serde-dev, librust-serde-dev) are not installed: .ci/run installs them")
-    env = dict(os.environ, SUPERFLUID_PYTHON=sys.executable, CARGO_TARGET_DIR=str(tmp_path / "target"))
+    for crate in ("rmp-serde", "serde_json"):
+        if not glob.glob(f"/usr/share/cargo/registry/{crate}-*"):
+            pytest.skip(f"Debian's crate {crate} (librust-*-dev) is not installed: .ci/run installs it")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cargo-target")
+
+
+def test_cargo_test_against_live_daemons(tmp_path, target):
+    _cargo()
+    env = dict(os.environ, SUPERFLUID_PYTHON=sys.executable, CARGO_TARGET_DIR=str(target),
+               SUPERFLUID_SHM_DIR=str(tmp_path))
     r = subprocess.run(["cargo", "test", "--offline", "--quiet"], cwd=CRATE, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "3 passed" in r.stdout, r.stdout
+                       timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    passed = sum(int(n) for n in re.findall(r"test result: ok\. (\d+) passed", r.stdout))
+    assert passed == TESTS and "SUPERFLUID_PYTHON is not set" not in out, out[-6000:]
+
+
+def test_the_readme_example_is_the_file_and_runs(tmp_path_factory, target):
+    example = (CRATE / "examples" / "readme.rs").read_text()
+    assert f"```rust\n{example}```" in (ROOT / "README.md").read_text(), "README's Rust example != examples/readme.rs"
+    _cargo()
+    d = Serve(tmp_path_factory.mktemp("rs-readme"), f"rsreadme{os.getpid()}", "--fake")
+    try:
+        d.wait_log("worker 0 ready (epoch 1")
+        env = dict(os.environ, CARGO_TARGET_DIR=str(target))  # the daemon's SUPERFLUID_SHM_DIR too
+        r = subprocess.run(["cargo", "run", "--offline", "--quiet", "--example", "readme", "--", d.name], cwd=CRATE,
+                           env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        d.close()
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "fake (vocab 512), eos [511]" and len(lines) == 3, r.stdout
+    assert all(re.fullmatch(r"request \d: \[[\d, ]+\] \((max_tokens|eos)\)", ln) for ln in lines[1:]), r.stdout

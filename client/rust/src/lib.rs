@@ -1,12 +1,23 @@
 //! The planner's side of a superfluid worker, from Rust: the records and
-//! functions of `abi/superfluid.h` (`abi`, generated) and a connection that
-//! follows the header's session protocol (`Connection`).
+//! functions of `abi/superfluid.h` (`abi`, generated), a connection that
+//! follows the header's session protocol (`Connection`), typed ops, and the
+//! reference planner (`Planner`, as client/planner.py).
 pub mod abi;
+mod absorb;
 mod connection;
+mod events;
+mod ops;
 mod plan;
+mod planner;
+mod seeds;
+pub mod workload;
 
-pub use connection::{Completion, Connection, Describe, Error, Events, RuntimeInfo};
-pub use plan::Plan;
+pub use connection::{Connection, SPIN_NS};
+pub use events::{Completion, Error, Events, Message, Shed};
+pub use ops::{Describe, HeldLane, RuntimeInfo, Seed};
+pub use plan::{params, Admit, LogitsRow, Plan};
+pub use planner::{Finish, HostSampler, Options, Planner, Request, RequestSpec, Stats};
+pub use seeds::SeedBook;
 
 /// The header's names of its constants (from sf_ring.c, as in every language).
 pub mod names {

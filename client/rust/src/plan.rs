@@ -11,11 +11,73 @@ pub struct Plan {
     pub flags: u32,
     pub max_decode_lanes: Option<u32>,
     pub prefill_token_budget: u32,
+    /// SF_CACHE_* classes the memory check may evict, and how much.
+    pub evictable_cache_classes: u32,
+    pub max_evict_bytes: u64,
+    pub protected_quota_bytes: u64,
     pub admits: Vec<LaneAdmit>,
     pub prefills: Vec<LanePrefill>,
     pub decodes: Vec<LaneDecode>,
     pub commits: Vec<LaneCommit>,
     pub retires: Vec<LaneRetire>,
+}
+
+/// A HOST lane's logits row (vocab_size values) and what commits its token.
+#[derive(Debug, Clone)]
+pub struct LogitsRow {
+    pub lane_tag: u64,
+    pub nonce: u64,
+    pub row: Vec<f32>,
+}
+
+/// A LaneAdmit under construction: greedy, default parameters, until set.
+#[derive(Clone, Copy)]
+pub struct Admit(pub LaneAdmit);
+
+impl Admit {
+    pub fn new(lane_tag: u64, prompt: RingRef) -> Self {
+        let mut a: LaneAdmit = zeroed();
+        a.lane_tag = lane_tag;
+        a.prompt = prompt;
+        a.sampling = SF_SAMPLING_GPU_GREEDY;
+        Admit(a)
+    }
+    /// SF_SAMPLING_* and its parameters.
+    pub fn sampling(mut self, sampling: u32, params: SamplingParams) -> Self {
+        self.0.sampling = sampling;
+        self.0.params = params;
+        self
+    }
+    /// Draw position of the lane's first sampled token.
+    pub fn rng_base(mut self, base: u64) -> Self {
+        self.0.rng_counter_base = base;
+        self
+    }
+    /// The prompt's last `n` tokens are fed as decode rounds (SPEC §9).
+    pub fn replay(mut self, n: u32) -> Self {
+        self.0.decode_replay = n;
+        self
+    }
+    pub fn seed(mut self, handle: u64) -> Self {
+        self.0.seed_handle = handle;
+        self
+    }
+    /// SF_CLASS_* asked for.
+    pub fn determinism(mut self, class: u32) -> Self {
+        self.0.determinism_class = class;
+        self
+    }
+    pub fn logprobs(mut self, n: u32) -> Self {
+        self.0.want_logprobs = n;
+        self
+    }
+}
+
+/// SamplingParams with everything off (0 = off) but what is set after.
+pub fn params(temperature: f32) -> SamplingParams {
+    let mut p: SamplingParams = zeroed();
+    p.temperature = temperature;
+    p
 }
 
 fn zeroed<T: Copy>() -> T {
@@ -30,11 +92,12 @@ impl Plan {
 
     /// A greedy lane with default parameters.
     pub fn admit(&mut self, lane_tag: u64, prompt: RingRef) -> &mut Self {
-        let mut a: LaneAdmit = zeroed();
-        a.lane_tag = lane_tag;
-        a.prompt = prompt;
-        a.sampling = SF_SAMPLING_GPU_GREEDY;
-        self.admits.push(a);
+        self.admit_with(&Admit::new(lane_tag, prompt))
+    }
+
+    /// A lane as `a` describes it.
+    pub fn admit_with(&mut self, a: &Admit) -> &mut Self {
+        self.admits.push(a.0);
         self
     }
 
@@ -42,9 +105,7 @@ impl Plan {
     /// prompt and the tokens generated so far, the last `replay` of which are
     /// fed as decode rounds (not emitted again).
     pub fn admit_replay(&mut self, lane_tag: u64, prompt: RingRef, replay: u32) -> &mut Self {
-        self.admit(lane_tag, prompt);
-        self.admits.last_mut().unwrap().decode_replay = replay;
-        self
+        self.admit_with(&Admit::new(lane_tag, prompt).replay(replay))
     }
 
     pub fn prefill(&mut self, lane_tag: u64, token_offset: u32, token_count: u32) -> &mut Self {
@@ -54,6 +115,12 @@ impl Plan {
 
     pub fn decode(&mut self, lane_tag: u64, max_new_tokens: u16) -> &mut Self {
         self.decodes.push(LaneDecode { lane_tag, max_new_tokens, overshoot: 0, _pad0: 0 });
+        self
+    }
+
+    /// A HOST lane's token for the row it was sent.
+    pub fn commit(&mut self, row: &LogitsRow, token_id: u32) -> &mut Self {
+        self.commits.push(LaneCommit { lane_tag: row.lane_tag, token_id, _pad0: 0, logits_nonce: row.nonce });
         self
     }
 
@@ -77,6 +144,9 @@ impl Plan {
         p.flags = self.flags;
         p.max_decode_lanes = self.max_decode_lanes.unwrap_or(self.decodes.len() as u32);
         p.prefill_token_budget = self.prefill_token_budget;
+        p.evictable_cache_classes = self.evictable_cache_classes;
+        p.max_evict_bytes = self.max_evict_bytes;
+        p.protected_quota_bytes = self.protected_quota_bytes;
         p.admits = admits;
         p.prefills = prefills;
         p.decodes = decodes;

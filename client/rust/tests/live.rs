@@ -3,56 +3,17 @@
 // same plan on the same worker (a second session). SUPERFLUID_PYTHON names
 // the interpreter (the pytest wrapper sets it); without it the test says so
 // and passes nothing off as checked.
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+mod common;
+use common::*;
+use std::process::Command;
+use std::time::Duration;
 use superfluid::abi::*;
 use superfluid::{Connection, Error, Plan};
 
-struct Daemon(Child, String);
-
-extern "C" {
-    fn kill(pid: i32, sig: i32) -> i32;
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SIGTERM: the daemon drains and removes its segments.
-        unsafe { kill(self.0.id() as i32, 15) };
-        let _ = self.0.wait();
-    }
-}
-
-fn python() -> Option<String> {
-    std::env::var("SUPERFLUID_PYTHON").ok()
-}
-
-fn serve(py: &str, name: &str) -> Daemon {
-    let child = Command::new(py)
-        .args(["-m", "superfluid", "serve", "--fake", "--name", name, "--log-level", "WARNING"])
-        .spawn()
-        .expect("superfluid serve");
-    Daemon(child, name.into())
-}
-
-fn connect(name: &str) -> Connection {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match Connection::connect(name, 0, Duration::from_secs(60)) {
-            Ok(c) => return c,
-            Err(Error::Segment(_)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("connect: {e:?}"),
-        }
-    }
-}
-
 #[test]
 fn a_rust_planner_gets_the_python_clients_tokens() {
-    let Some(py) = python() else {
-        eprintln!("SUPERFLUID_PYTHON is not set: no daemon to test against (run through pytest)");
-        return;
-    };
-    let name = format!("rs{}", std::process::id());
-    let d = serve(&py, &name);
+    let Some(py) = python() else { return };
+    let d = serve(&py, &format!("rs{}", std::process::id()), &["--fake"]);
     let prompt = [5u32, 6, 7, 8, 9];
     let mine = {
         let mut c = connect(&d.1);
@@ -97,10 +58,11 @@ fn a_rust_planner_gets_the_python_clients_tokens() {
 #[test]
 fn a_header_of_another_abi_version_is_refused_at_connect() {
     let Some(py) = python() else { return };
-    let name = format!("rv{}", std::process::id());
-    let d = serve(&py, &name);
-    drop(connect(&d.1));
-    // abi_version 1 in place: what a planner of this build sees on another ABI's segment.
+    let d = serve(&py, &format!("rv{}", std::process::id()), &["--fake"]);
+    let worker = connect(&d.1).worker_pid() as i32;
+    // abi_version 1 in place: what a planner of this build sees on another ABI's
+    // segment. The worker restores its header within a second: hold it still.
+    unsafe { kill(worker, 19) }; // SIGSTOP
     let path = format!("{}/superfluid.{}.0", std::env::var("SUPERFLUID_SHM_DIR").unwrap_or("/dev/shm".into()), d.1);
     {
         use std::io::{Seek, SeekFrom, Write};
@@ -108,7 +70,9 @@ fn a_header_of_another_abi_version_is_refused_at_connect() {
         f.seek(SeekFrom::Start(8)).unwrap();
         f.write_all(&1u32.to_le_bytes()).unwrap();
     }
-    match Connection::connect(&d.1, 0, Duration::from_secs(1)) {
+    let got = Connection::connect(&d.1, 0, Duration::from_secs(1));
+    unsafe { kill(worker, 18) }; // SIGCONT
+    match got {
         Err(Error::Segment(m)) => assert!(m.contains(&format!("says {SF_CONNECT_ABI}")), "{m}"),
         other => panic!("expected a refusal, got {:?}", other.map(|c| c.session)),
     }
@@ -159,13 +123,7 @@ fn run_lane(c: &mut Connection, prompt: &[u32], n: usize, kill_after: Option<usi
 #[test]
 fn a_rust_planner_recovers_a_lane_bitwise_after_a_worker_kill() {
     let Some(py) = python() else { return };
-    let name = format!("rk{}", std::process::id());
-    let child = Command::new(&py)
-        .args(["-m", "superfluid", "serve", "--fake", "--name", &name, "--log-level", "WARNING",
-               "--restart-backoff", "0.05"])
-        .spawn()
-        .expect("superfluid serve");
-    let d = Daemon(child, name);
+    let d = serve(&py, &format!("rk{}", std::process::id()), &["--fake"]);
     let prompt = [11u32, 12, 13, 14, 15, 16];
     let mut c = connect(&d.1);
     let (plain, r0) = run_lane(&mut c, &prompt, 16, None);

@@ -1,0 +1,187 @@
+//! The workload format of `superfluid plan` (client/workload.py's
+//! docstring is the definition): requests in, results out, both JSON, so
+//! the Rust, Go and Python planners can be compared token for token.
+use crate::abi::*;
+use crate::connection::Connection;
+use crate::events::Error;
+use crate::planner::{HostSampler, Options, Planner, RequestSpec};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// Host samplers' perturbation scale (client/workload.py's PERTURB_SCALE).
+pub const PERTURB_SCALE: f32 = 2.0;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    #[serde(default)]
+    pub options: Option<WorkloadOptions>,
+    pub requests: Vec<WorkloadRequest>,
+    #[serde(default)]
+    pub kill_worker_after_tokens: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadOptions {
+    pub prefill_token_budget: Option<u32>,
+    pub prefill_chunk: Option<u32>,
+    pub decode_grant: Option<u16>,
+    pub max_lanes: Option<usize>,
+    pub use_leases: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Params {
+    pub temperature: Option<f32>,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub freq_penalty: Option<f32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadRequest {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: Option<String>,
+    pub host_sampler: Option<String>,
+    pub params: Option<Params>,
+    pub rng_base: Option<u64>,
+    pub stop_at_eos: Option<bool>,
+    pub publish: Option<bool>,
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The first index of the largest value.
+pub fn host_argmax(row: &[f32], _position: u64) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// argmax of row[i] + PERTURB_SCALE * u(position, i), float32 throughout.
+pub fn host_perturb(row: &[f32], position: u64) -> u32 {
+    let (mut best, mut top) = (0usize, f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        let bits = splitmix64((position << 32).wrapping_add(i as u64)) >> 40;
+        let s = v + PERTURB_SCALE * (bits as f32 / (1u32 << 24) as f32);
+        if s > top || i == 0 {
+            best = i;
+            top = s;
+        }
+    }
+    best as u32
+}
+
+fn sampler(name: &str, at: usize) -> Result<HostSampler, Error> {
+    match name {
+        "argmax" => Ok(Box::new(host_argmax)),
+        "perturb" => Ok(Box::new(host_perturb)),
+        other => Err(Error::Bounds(format!("requests[{at}].host_sampler = {other:?}: one of argmax, perturb"))),
+    }
+}
+
+impl Workload {
+    pub fn parse(text: &str) -> Result<Workload, Error> {
+        serde_json::from_str(text).map_err(|e| Error::Bounds(format!("workload: {e}")))
+    }
+
+    pub fn options(&self) -> Options {
+        let o = self.options.as_ref();
+        let d = Options::default();
+        Options {
+            prefill_token_budget: o.and_then(|o| o.prefill_token_budget).unwrap_or(d.prefill_token_budget),
+            prefill_chunk: o.and_then(|o| o.prefill_chunk),
+            decode_grant: o.and_then(|o| o.decode_grant).unwrap_or(d.decode_grant),
+            max_lanes: o.and_then(|o| o.max_lanes),
+            use_leases: o.and_then(|o| o.use_leases).unwrap_or(d.use_leases),
+            ..d
+        }
+    }
+
+    /// The requests as the planner takes them; a bad one names its field.
+    pub fn specs(&self) -> Result<Vec<RequestSpec>, Error> {
+        self.requests.iter().enumerate().map(|(n, r)| {
+            let mut s = RequestSpec::new(r.prompt.clone(), r.max_new_tokens);
+            s.sampling = match r.sampling.as_deref().unwrap_or("greedy") {
+                "greedy" => SF_SAMPLING_GPU_GREEDY,
+                "sample" => SF_SAMPLING_GPU_SAMPLE,
+                "host" => SF_SAMPLING_HOST,
+                other => return Err(Error::Bounds(format!("requests[{n}].sampling = {other:?}: one of greedy, \
+                                                           sample, host"))),
+            };
+            if s.sampling == SF_SAMPLING_HOST {
+                s.host_sampler = Some(sampler(r.host_sampler.as_deref().unwrap_or("argmax"), n)?);
+            }
+            let p = r.params.as_ref();
+            let f = |g: fn(&Params) -> Option<f32>| p.and_then(g).unwrap_or(0.0);
+            s.params.temperature = f(|p| p.temperature);
+            s.params.top_k = p.and_then(|p| p.top_k).unwrap_or(0);
+            s.params.top_p = f(|p| p.top_p);
+            s.params.min_p = f(|p| p.min_p);
+            s.params.repeat_penalty = f(|p| p.repeat_penalty);
+            s.params.presence_penalty = f(|p| p.presence_penalty);
+            s.params.freq_penalty = f(|p| p.freq_penalty);
+            s.rng_base = r.rng_base.unwrap_or(0);
+            s.stop_at_eos = r.stop_at_eos.unwrap_or(true);
+            s.publish = r.publish.unwrap_or(true);
+            Ok(s)
+        }).collect()
+    }
+}
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+/// Run `w` on a connection through the reference planner; the results
+/// JSON `superfluid plan` prints.
+pub fn run(conn: Connection, w: &Workload, timeout: Duration) -> Result<Value, Error> {
+    let mut opts = w.options();
+    opts.reconnect_timeout = timeout;
+    let mut p = Planner::new(conn, opts)?;
+    let mut ids = Vec::new();
+    for s in w.specs()? {
+        ids.push(p.submit(s)?);
+    }
+    let deadline = Instant::now() + timeout;
+    let mut killed = false;
+    while p.busy() {
+        if Instant::now() > deadline {
+            return Err(Error::Timeout("the workload"));
+        }
+        p.step()?;
+        let made: u64 = p.requests.iter().map(|r| r.generated.len() as u64).sum();
+        if let (Some(n), false) = (w.kill_worker_after_tokens, killed) {
+            if made >= n {
+                unsafe { kill(p.conn.worker_pid() as i32, 9) };
+                killed = true;
+            }
+        }
+    }
+    let results: Vec<Value> = ids.iter().map(|&i| {
+        let r = &p.requests[i];
+        json!({"id": i + 1, "tokens": r.generated, "finish": r.finish.map(|f| f.as_str()),
+               "admissions": r.admissions})
+    }).collect();
+    let s = &p.stats;
+    let tokens: usize = p.requests.iter().map(|r| r.generated.len()).sum();
+    Ok(json!({"results": results, "stats": {"ticks": s.ticks, "restarts": s.restarts,
+              "seeded_tokens": s.seeded_tokens, "leases": s.leases, "tokens": tokens, "killed": killed}}))
+}
