@@ -10,8 +10,20 @@
  *   - every u64 sits at an offset that is a multiple of 8 and every record's
  *     size is a multiple of 8, so the layout is the same on every 64-bit and
  *     32-bit target (the asserts at the end pin it);
- *   - top-level records (TickPlan, TickEvents, OpEvents) begin with struct_size;
- *   - enum-valued fields are u32 holding one of the SF_* constants below.
+ *   - top-level records (TickPlan, TickEvents, OpEvents, QueueReset, WorkerNotice)
+ *     begin with struct_size; PartialEmit has none (MsgHeader.record_bytes only);
+ *   - enum-valued fields are u32 holding one of the SF_* constants below;
+ *   - padding and _reserved fields: write 0; readers ignore them.
+ * Sizes and versions: a reader takes a record only when MsgHeader.record_bytes and
+ * its struct_size both equal its own sizeof; anything else is refused, never guessed
+ * at (a plan: RejectBounds naming the field; the Python client drops an event it
+ * cannot decode, logged). Any layout change bumps SF_ABI_VERSION, and
+ * sf_segment_check refuses a segment of another version (SF_CONNECT_ABI): an older
+ * or a newer side stops at connect, never at its first plan.
+ * Units, unless a comment says otherwise: times in ns (a *_ns stamp is
+ * CLOCK_MONOTONIC, sf_monotonic_ns), sizes in bytes, token counts in tokens, ring
+ * offsets and lengths in elements (4 bytes), a sequence's length in cells (1 token
+ * = 1 cell).
  * "planner" = the external scheduler, "executor" = the Python worker,
  * "daemon" = the supervisor that owns the segment.
  */
@@ -49,7 +61,7 @@ extern "C" {
 
 /* ------------------------------------------------- plan status (SPEC §3) */
 /* TickEvents.status: the verdict on a whole plan. Anything but OK means the
- * plan changed nothing. */
+ * plan changed nothing; TickEvents.message names the field (SPEC §3: the rules). */
 #define SF_STATUS_OK 0
 #define SF_STATUS_RejectIllegalCombination 1
 #define SF_STATUS_RejectBudget 2
@@ -60,13 +72,13 @@ extern "C" {
 #define SF_STATUS_RejectStaleSeed 7
 #define SF_STATUS_RejectBadRefGeneration 8
 #define SF_STATUS_NeedsReplan 9
-#define SF_STATUS_Fatal 10
+#define SF_STATUS_Fatal 10  /* in-process only: a worker process exits (status 70) instead */
 #define SF_STATUS_StaleSession 11  /* the plan is an earlier session's: not run */
 
 /* ----------------------------------------- tick status of an applied plan */
 #define SF_TICK_OK 0
-#define SF_TICK_SHED 1
-#define SF_TICK_LANE_ERRORS 2
+#define SF_TICK_SHED 1         /* something was shed or evicted: TickEvents.shed */
+#define SF_TICK_LANE_ERRORS 2  /* a lane faulted: TickEvents.faults (wins over SHED) */
 
 /* -------------------------------------------------------- TickPlan.flags */
 #define SF_PLAN_DRAIN 1          /* no admits; the planner is draining */
@@ -80,10 +92,10 @@ extern "C" {
 /* ----------------------------------------------------- LaneAdmit.sampling */
 #define SF_SAMPLING_GPU_GREEDY 0  /* argmax in the engine */
 #define SF_SAMPLING_GPU_SAMPLE 1  /* counter-based draw in the engine */
-#define SF_SAMPLING_HOST 2        /* row to the logits ring, planner commits */
+#define SF_SAMPLING_HOST 2        /* raw row to the logits ring; the planner picks and commits */
 
 /* ------------------------------------------------ SamplingParams.flags */
-#define SF_PARAM_IGNORE_EOS 1
+#define SF_PARAM_IGNORE_EOS 1  /* an eos id (DESCRIBE) does not finish the lane: it decodes on */
 #define SF_PARAM_FLAGS_ALL 1
 
 /* -------------------------- LaneAdmit.determinism_class, granted_class */
@@ -95,10 +107,12 @@ extern "C" {
 #define SF_ADMIT_ADMITTED 1
 
 /* ------------------------------------------------------- LaneEmit.finish */
-#define SF_FINISH_NONE 0
-#define SF_FINISH_EOS 1
-#define SF_FINISH_LENGTH 2
-#define SF_FINISH_GRAMMAR 3
+/* A finished lane decodes no more (a decode of it is RejectIllegalCombination):
+ * retire it. */
+#define SF_FINISH_NONE 0     /* not finished: it may decode again */
+#define SF_FINISH_EOS 1      /* sampled an eos id, emitted as its last token; never a HOST lane */
+#define SF_FINISH_LENGTH 2   /* the sequence reached max_seq_len cells */
+#define SF_FINISH_GRAMMAR 3  /* the grammar completed (no grammars yet: never) */
 
 /* ------------------------------------------------------- LaneFault.code */
 #define SF_FAULT_OOM_TENTATIVE 1   /* the runtime ran out of cells */
@@ -150,16 +164,102 @@ extern "C" {
 #define SF_OP_LIST_LANES 13
 #define SF_OP_RETIRE_LANES 14
 
+/* Ops. An op is a msgpack map in an SF_MSG_OP slot ("Wire rules"): "op" (the name, any case, or
+ * the SF_OP_* code), "op_id" (u64, default 0; echoed in OpCompletion.op_id: give each op its own),
+ * then its fields. Integer fields are msgpack ints, flags msgpack bools (not 0/1), text str,
+ * blobs bin; keys not listed are ignored. The worker runs ops in queue order between ticks,
+ * before the next plan (which sees their effect); their completions ride in that plan's
+ * TickEvents.op_completions, or go out as SF_MSG_OP_EVENTS when no plan is queued (an idle worker
+ * looks at the op queue every ~5 ms). A failure has handle = value = 0 and payload {"error": str}
+ * (<= 256 bytes) and changes no executor state (expired leases may be swept, as at any tick).
+ * Besides the statuses listed, any op may answer BadRequest (not a map; a field missing, of the
+ * wrong type or out of range), UnknownOp, StaleSession, and Capacity (its completion fits no
+ * event slot). Handles are > 0, from one counter per worker (leases and biases share it), never
+ * reused; a new worker (new epoch) knows none. "Refused: fatal" below is in-process only: a worker
+ * process whose runtime fails exits (status 70) and the daemon starts a new epoch. "payload" is the
+ * msgpack map in OpCompletion.payload; no payload = an empty span.
+ *
+ * DESCRIBE  no fields. value = vocab_size; payload:
+ *   {abi_version: SF_ABI_VERSION, worker_epoch, fault_injection: bool (INJECT_FAULT allowed),
+ *    eos: [token ids] (sorted), specials: {token text: id} (the runtime's special tokens, e.g. a
+ *    checkpoint's tokenizer.json added tokens marked special; may hold the eos ids; may be {}),
+ *    runtime: {runtime_id: str (whole: RuntimeDesc.runtime_id holds its first 32 bytes),
+ *      vocab_size, max_seq_len, max_batch, max_seqs, page, prefill_step_tokens: ints as in
+ *      RuntimeDesc; truncate_partial, copy_shares_cells, takeover_preferred, engine_sampling,
+ *      engine_draws, verify_batches, exact_only: bools, the SF_RT_* bits}}.
+ *   EOS: a GPU_GREEDY / GPU_SAMPLE lane that samples an eos id emits it as its last token and
+ *   finishes (SF_FINISH_EOS) unless SF_PARAM_IGNORE_EOS. A HOST lane never finishes on EOS: the
+ *   planner that commits an eos id ends the lane itself. Eos and specials ids are exempt from the
+ *   repeat/presence/frequency penalties. No role beyond eos is reported (no bos, no pad: specials
+ *   names ids by text only); the executor adds no token to a prompt: it runs what the planner wrote.
+ * LEASE_SEED  tokens [u32] (required; non-empty, each < vocab_size), ttl_ticks u32 >= 1 (required),
+ *   determinism_class u32 (default SF_CLASS_SEED_PATH_INVARIANT). Pins the cache entry with the
+ *   longest usable prefix of tokens. handle = the lease, for LaneAdmit.seed_handle; value = tokens
+ *   it covers (whole pages; on exact_only an entry's whole key). Its admit needs the same
+ *   determinism_class and a prompt that starts with those tokens, and prefills from token_offset =
+ *   value; the admit ends the lease. Unused, it expires once ttl_ticks more plans are accepted
+ *   (then RejectStaleSeed). NoMatch: no entry shares a whole page (exact_only: a whole key) with
+ *   tokens; Capacity: the lease table is full (1024 leases by default).
+ * RELEASE_SEED  handle u64 > 0 (required). Ends the lease, unpins its entry. handle = it.
+ *   UnknownHandle: no such lease (released, used by an admit, or swept after it expired).
+ * REGISTER_GRAMMAR  Unsupported today, whatever its fields (grammars are a later issue; SPEC §7
+ *   names kind, text, choices). An admit with grammar_handle or grammar_replay != 0 is
+ *   RejectIllegalCombination.
+ * RELEASE_GRAMMAR  handle u64 > 0 (required). UnknownHandle (no grammar can be registered yet).
+ * REGISTER_LOGIT_BIAS  bias (required): a map {token id: value} or an array of [token id, value]
+ *   pairs; ids < vocab_size, each once; values int or float with |value| <= FLT_MAX, or -inf to ban
+ *   the token (NaN and +inf are refused); {} is allowed. Added to a row before the penalties (SPEC
+ *   §5; not to a HOST lane's logits row, which is the model's own). handle = the bias, for
+ *   LaneAdmit.logit_bias_handle (any number of lanes); value = entries.
+ * RELEASE_LOGIT_BIAS  handle u64 > 0 (required). handle = it; lanes admitted with it keep it.
+ *   UnknownHandle: no such bias.
+ * INSTALL_STRATEGY  Unsupported today, whatever its fields (speculation is a later issue; SPEC §7
+ *   names slot, kind, max_draft, ngram_min, ngram_max). An admit with strategy_slot != 0 is
+ *   RejectIllegalCombination.
+ * EXPORT_ENTRY  handle (required: a seed lease), path str (optional, non-empty). The lease's whole
+ *   entry (all its tokens, not only the leased prefix) as a blob: the runtime's state wrapped with
+ *   its runtime_id and tokens. value = blob bytes; payload {blob: bin}, or with path none: the
+ *   worker writes the blob to that file (created mode 0600, or truncated). The lease stays.
+ *   UnknownHandle; BadRequest: a path it cannot write, or no path and a blob of more than about
+ *   half an event slot (Queue.slot_bytes / 2); Unsupported: the runtime cannot export it; Refused: fatal.
+ * IMPORT_STATE  tokens [u32] (required), ttl_ticks u32 >= 1 (required), determinism_class (as
+ *   LEASE_SEED), and blob bin, or (when blob is absent) path str: a file of at most 2^36 bytes.
+ *   The blob: an EXPORT_ENTRY blob of the same runtime_id. tokens: a prefix of the tokens it holds,
+ *   cut down to whole pages (at least one page) on a paged runtime, exactly them on exact_only, at
+ *   most max_seq_len. handle = a seed lease on the imported sequence (an admit uses it as a
+ *   LEASE_SEED lease); value = tokens it covers. BadRequest: any of that; Capacity: the lease table
+ *   is full, or the runtime has no room for the sequence; Refused: fatal.
+ * INJECT_FAULT  lane_tag int (required), code (default SF_FAULT_INJECTED; one of SF_FAULT_*). The
+ *   lane faults with that code (a LaneFault, detail 0) the next time a plan decodes it. value =
+ *   lane_tag. Refused: the worker runs without fault injection (SegmentHeader.fault_injection 0);
+ *   NoMatch: no live lane with that tag.
+ * CACHE_CLEAR  no fields. Drops every unpinned prefix-cache entry, in the pool and in host memory
+ *   (leased ones stay). value = bytes freed in the pool; each pool entry dropped is a CACHE_EVICTION
+ *   ShedEntry (reason CLEARED) in the next accepted tick's ShedReport. Refused: fatal.
+ * LIST_LANES  after u64 (default 0), limit 1..1024 (default 256). The lanes held (live, and faulted
+ *   not yet retired; whichever session admitted them) with tag > after, by tag, at most limit (fewer
+ *   when the page would pass half an event slot). value = lanes held in all; payload {lanes: [{tag,
+ *   prompt (tokens), generated (tokens), state: "prefilling" | "decoding" | "finished" | "faulted",
+ *   session (the one that admitted it)}], more: bool}. Page on with after = the last tag.
+ * RETIRE_LANES  tags [u64] (distinct; each live or faulted, else NoMatch) or all: true (with
+ *   session u64: only the lanes that session admitted); publish bool (default false; true keeps
+ *   each live lane's sequence as a cache entry, as LaneRetire.publish_to_cache). All or nothing,
+ *   by the code a plan's retires run; evictions it causes are in the next accepted tick's
+ *   ShedReport. value = lanes retired; payload {retired: [tags]} ({} past 1024 tags). BadRequest:
+ *   tags with all, session without all; Refused: fatal.
+ */
+
 /* --------------------------------------------------- OpCompletion.status */
+/* Which op answers which: the "ops" comment above. */
 #define SF_OPST_OK 0
-#define SF_OPST_BadRequest 1     /* not a msgpack map, or a field missing/wrong */
-#define SF_OPST_UnknownOp 2
-#define SF_OPST_UnknownHandle 3
-#define SF_OPST_Refused 4        /* e.g. INJECT_FAULT without --fault-injection */
-#define SF_OPST_Unsupported 5    /* the runtime cannot do it */
-#define SF_OPST_NoMatch 6        /* e.g. LEASE_SEED found no usable prefix */
-#define SF_OPST_Capacity 7
-#define SF_OPST_StaleSession 8   /* the op is an earlier session's: not run */
+#define SF_OPST_BadRequest 1     /* not a msgpack map, or a field missing, of the wrong type or range */
+#define SF_OPST_UnknownOp 2      /* "op" names no SF_OP_* (OpCompletion.op is then 0) */
+#define SF_OPST_UnknownHandle 3  /* no such handle: RELEASE_*, EXPORT_ENTRY */
+#define SF_OPST_Refused 4        /* INJECT_FAULT without fault injection; in-process, a fatal error */
+#define SF_OPST_Unsupported 5    /* the executor or its runtime cannot do it (grammars, strategies) */
+#define SF_OPST_NoMatch 6        /* nothing to act on: no usable prefix (LEASE_SEED), no such lane */
+#define SF_OPST_Capacity 7       /* a table or the pool is full, or the completion fits no event slot */
+#define SF_OPST_StaleSession 8   /* an earlier session's op: not run (op 0; op_id if it could be read) */
 
 /* ------------------------------------------------------ QueueReset.queue */
 #define SF_QUEUE_PLAN 1
@@ -177,13 +277,14 @@ extern "C" {
 #define SF_WORKER_GAVE_UP 6   /* crash loop: the daemon will not restart it */
 
 /* --------------------------------------------- RuntimeDesc.flags (SPEC §8) */
-#define SF_RT_TRUNCATE_PARTIAL 1
-#define SF_RT_COPY_SHARES_CELLS 2
-#define SF_RT_TAKEOVER_PREFERRED 4
-#define SF_RT_ENGINE_SAMPLING 8
-#define SF_RT_ENGINE_DRAWS 16
-#define SF_RT_VERIFY_BATCHES 32
-#define SF_RT_EXACT_ONLY 64
+/* What the runtime can do (RuntimeDesc.flags; DESCRIBE's runtime bools say the same). */
+#define SF_RT_TRUNCATE_PARTIAL 1    /* a sequence can be cut to any length (else to 0 or all of it) */
+#define SF_RT_COPY_SHARES_CELLS 2   /* a copy shares full KV blocks with its source */
+#define SF_RT_TAKEOVER_PREFERRED 4  /* a seed that continues an entry takes its sequence, not a copy */
+#define SF_RT_ENGINE_SAMPLING 8     /* picks on the device (GPU_* lanes with no bias/penalty/logprobs) */
+#define SF_RT_ENGINE_DRAWS 16       /* and draws non-greedy ones there too (else on the host) */
+#define SF_RT_VERIFY_BATCHES 32     /* a step can return a row per fed token (draft verification) */
+#define SF_RT_EXACT_ONLY 64         /* recurrent state: cache entries, seeds are exact lengths, not pages */
 
 /* ------------------------------------------------------- wait results */
 #define SF_WAIT_READY 0     /* the queue has what was waited for */
@@ -211,21 +312,44 @@ typedef struct Span {
 
 /* Wire rules (every queue, every language):
  * - A slot is MsgHeader, then the record (record_bytes == its struct_size,
- *   exactly: a size this build does not know is refused, RejectBounds, never
- *   guessed at), then the arena from the next SF_ARENA_ALIGN boundary.
+ *   exactly: see "Sizes and versions" at the top), then the arena from the next
+ *   SF_ARENA_ALIGN boundary. The whole message fits the queue's slot_bytes (the
+ *   daemon's choice: read it from the Queue header).
  * - A list is a Span into the arena: offset in bytes from the arena start
  *   (a multiple of SF_ARENA_ALIGN), count in records; an empty list is
  *   {0, 0}. Byte strings (message, payload) are spans of bytes.
  * - An op (SF_MSG_OP) has no record: record_bytes 0, the msgpack map right
- *   after the MsgHeader, arena_bytes its length. Keys: "op" (name or SF_OP_*
- *   code), "op_id" (u64, echoed in its OpCompletion), then the op's fields
- *   (SPEC §7; LIST_LANES and RETIRE_LANES in executor/lane_ops.py).
- * - The event queue carries SF_MSG_EVENTS (one per plan, in plan order),
- *   SF_MSG_OP_EVENTS (completions of ops run between ticks, or those that did
- *   not fit a tick's events), SF_MSG_WORKER (the daemon: a worker died, is
- *   starting, or was given up: wait for READY again) and SF_MSG_RESET.
- * - Waits: spin about 200 us (a peer's turnaround), then sleep on the futex;
- *   every timeout is in ns in C (< 0: none), seconds in Python.
+ *   after the MsgHeader, arena_bytes its length (at most slot_bytes - 24).
+ *   Its keys and every op's fields: the "ops" comment at the SF_OP_* constants.
+ * - Plan queue: SF_MSG_PLAN. The worker frees a plan's slot once it has decoded
+ *   it, before running it: up to n_slots plans may wait. Every plan it reads gets
+ *   exactly one SF_MSG_EVENTS, in plan order, a refused one too (a plan that does
+ *   not decode is answered with the plan_seq at record bytes 8..15, or 0).
+ * - The event queue carries, in the order they were written:
+ *   SF_MSG_EVENTS: one per plan read. Its op_completions answer the ops run just
+ *     before that plan (a StaleSession answer carries none).
+ *   SF_MSG_OP_EVENTS: completions of ops run while no plan was queued, of those
+ *     that did not fit their TickEvents (right after it), and the StaleSession
+ *     answers to an earlier session's ops (stamped with that session).
+ *   SF_MSG_WORKER (the daemon, session 0, only while no worker runs): DEAD or
+ *     GAVE_UP with the dead worker's epoch when one ends, STARTING with the new
+ *     epoch before a restart; left out when the queue is full (worker_epoch and
+ *     worker_state in the header say the same). At a restart the daemon drops the
+ *     plans and ops the dead worker had not read: no reply comes for them.
+ *   SF_MSG_RESET (the worker, session 0, ahead of its unsent replies): it found a
+ *     queue's counters impossible and emptied it; what that queue held is gone.
+ *   A TickEvents or OpEvents whose worker_epoch is below the worker's you talk to
+ *   is a dead worker's answer: drop it.
+ * - Stream queue: SF_MSG_PARTIAL, only for plans with SF_PLAN_PARTIAL_EMITS, a
+ *   token as it is sampled. The worker waits up to 1 s for room once per tick,
+ *   then drops what does not fit; the plan's TickEvents still has every token.
+ * - Waits: after sending, spin about 200 us (spin_ns 200000: a peer's turnaround),
+ *   then sleep on the futex; idle, spin 0. The worker spins as long for the next
+ *   plan after each tick. sf_queue_wait_* sleep in slices of SF_WAIT_SLICE_NS and,
+ *   given the segment, return SF_WAIT_GONE once the worker is gone, so even a wait
+ *   with no deadline ends. A tick can take seconds (a long prefill): time a reply out in seconds
+ *   (the Python client's default is 30 s). Every timeout is in ns in C (< 0:
+ *   none), seconds in Python.
  */
 
 /* Leads every queue slot. The record starts right after it; the arena
@@ -251,17 +375,17 @@ typedef struct SamplingParams {
 
 /* Start a lane. Planner writes; executor answers with one AdmitResult. */
 typedef struct LaneAdmit {
-    uint64_t lane_tag;           /* planner's id of the lane, unique among live lanes */
+    uint64_t lane_tag;           /* planner's id of the lane: != 0, unique among live lanes */
     RingRef prompt;              /* prompt tokens, SF_RING_PROMPT */
     uint32_t sampling;           /* SF_SAMPLING_* */
-    uint32_t decode_replay;      /* prompt tail fed as decode rounds, not emitted; < len(prompt) */
+    uint32_t decode_replay;      /* tokens: prompt tail fed as decode rounds, not emitted; < len(prompt) */
     SamplingParams params;       /* how tokens are picked */
-    uint64_t rng_counter_base;   /* draw position of the lane's first sampled token */
+    uint64_t rng_counter_base;   /* draw position of the lane's first sampled token; +1 a token */
     uint64_t grammar_handle;     /* op REGISTER_GRAMMAR handle; 0 = none */
     uint64_t logit_bias_handle;  /* op REGISTER_LOGIT_BIAS handle; 0 = none */
     uint64_t seed_handle;        /* op LEASE_SEED handle; 0 = none */
     uint32_t strategy_slot;      /* op INSTALL_STRATEGY slot; 0 = none */
-    uint32_t grammar_replay;     /* last prompt tokens the grammar cursor replays */
+    uint32_t grammar_replay;     /* tokens: prompt tail the grammar cursor replays; 0 without a grammar */
     uint32_t determinism_class;  /* SF_CLASS_* asked for */
     uint32_t want_logprobs;      /* 0 = none; n = chosen + (n-1) alternatives, n <= SF_MAX_TOP_LOGPROBS */
 } LaneAdmit;
@@ -269,15 +393,15 @@ typedef struct LaneAdmit {
 /* Feed prompt tokens [token_offset, token_offset + token_count) of a lane. */
 typedef struct LanePrefill {
     uint64_t lane_tag;  /* live lane, or admitted in this plan */
-    uint32_t token_offset;  /* must equal the tokens prefilled so far */
+    uint32_t token_offset;  /* tokens; must equal those prefilled so far (a seeded lane: the lease's value) */
     uint32_t token_count;   /* tokens past prefill_token_budget are shed, not an error */
 } LanePrefill;
 
 /* Grant a lane decode rounds this tick. */
 typedef struct LaneDecode {
     uint64_t lane_tag;  /* live lane, or admitted in this plan; not finished */
-    uint16_t max_new_tokens;  /* rounds granted (replayed tokens count); HOST lanes: 1 */
-    uint16_t overshoot;       /* tokens a verified draft may run past the grant */
+    uint16_t max_new_tokens;  /* tokens (rounds) granted; replayed tokens count; HOST lanes: 1 */
+    uint16_t overshoot;       /* tokens a verified draft may run past the grant (no drafting yet) */
     uint32_t _pad0;
 } LaneDecode;
 
@@ -304,11 +428,11 @@ typedef struct TickPlan {
     uint64_t struct_size;              /* sizeof(TickPlan) */
     uint64_t plan_seq;                 /* <= SF_PLAN_SEQ_MAX; above the session's last accepted */
     uint32_t flags;                    /* SF_PLAN_* */
-    uint32_t max_decode_lanes;         /* <= max_batch; decodes <= this */
-    uint32_t prefill_token_budget;     /* prompt tokens this tick may prefill */
+    uint32_t max_decode_lanes;         /* lanes; <= max_batch; decodes <= this */
+    uint32_t prefill_token_budget;     /* tokens: prompt tokens this tick may prefill, over all prefills */
     uint32_t evictable_cache_classes;  /* SF_CACHE_* the memory check may evict */
-    uint64_t max_evict_bytes;          /* at most this many bytes evicted this tick */
-    uint64_t protected_quota_bytes;    /* never evict the resident cache below this */
+    uint64_t max_evict_bytes;          /* bytes: at most this much evicted this tick */
+    uint64_t protected_quota_bytes;    /* bytes: never evict the resident cache below this */
     Span admits;                       /* LaneAdmit[] */
     Span prefills;                     /* LanePrefill[], run in this order */
     Span decodes;                      /* LaneDecode[] */
@@ -338,10 +462,10 @@ typedef struct SpecStats {
 /* What one decoding lane produced this tick. Executor writes. */
 typedef struct LaneEmit {
     uint64_t lane_tag;  /* a lane decoded this tick */
-    RingRef token_ref;      /* emitted tokens, SF_RING_TOKENS; none for HOST lanes */
+    RingRef token_ref;      /* emitted u32 tokens, SF_RING_TOKENS (not replayed ones); none for HOST lanes */
     uint32_t n_tokens;      /* == token_ref.len */
     uint32_t finish;        /* SF_FINISH_* */
-    RingRef logits_row;     /* HOST lanes: the f32 row, SF_RING_LOGITS, vocab_size long */
+    RingRef logits_row;     /* HOST lanes: the model's raw f32 row, SF_RING_LOGITS, vocab_size long */
     uint64_t logits_nonce;  /* HOST lanes: commit with this; 0 otherwise */
     SpecStats spec;         /* drafting this tick */
 } LaneEmit;
@@ -374,17 +498,17 @@ typedef struct OpCompletion {
     uint64_t op_id;    /* the op's op_id */
     uint32_t status;   /* SF_OPST_* */
     uint32_t op;       /* SF_OP_* (0 when the op could not be read) */
-    uint64_t handle;   /* handle issued (REGISTER_*, LEASE_SEED), else 0 */
-    uint64_t value;    /* op-specific number (e.g. tokens leased, bytes exported) */
-    Span payload;      /* msgpack bytes in the arena (DESCRIBE, EXPORT_ENTRY, errors) */
+    uint64_t handle;   /* the handle issued, released or exported (the "ops" comment); else 0 */
+    uint64_t value;    /* op-specific count (e.g. tokens leased, bytes exported); 0 on failure */
+    Span payload;      /* bytes: a msgpack map (DESCRIBE, EXPORT_ENTRY, *_LANES, {error}); or empty */
 } OpCompletion;
 
 typedef struct TickTimings {
-    uint64_t wall_ns;  /* whole tick, check included */
-    uint64_t prefill_ns;  /* prefill steps */
-    uint64_t decode_ns;  /* decode rounds */
-    uint32_t graph_hits;  /* captured-graph replays (GPU backends) */
-    uint32_t graph_misses;  /* steps with no captured graph */
+    uint64_t wall_ns;  /* ns: whole tick, check included */
+    uint64_t prefill_ns;  /* ns: prefill steps */
+    uint64_t decode_ns;  /* ns: decode rounds */
+    uint32_t graph_hits;  /* captured-graph replays (GPU backends; 0 today) */
+    uint32_t graph_misses;  /* steps with no captured graph (0 today) */
 } TickTimings;
 
 typedef struct TickMemCounters {
@@ -419,13 +543,13 @@ typedef struct TickEvents {
     ShedReport shed;        /* what was dropped or evicted */
     Span op_completions;    /* OpCompletion[] */
     Span logprobs;          /* LaneLogprob[] */
-    Span message;           /* UTF-8 bytes: why rejected, naming the field */
+    Span message;           /* UTF-8 bytes: why rejected, naming the field; empty when OK */
     TickTimings timings;    /* where the tick's time went */
     TickMemCounters mem;    /* memory after the tick */
     uint64_t worker_epoch;  /* epoch of the worker that ran the tick */
 } TickEvents;
 
-/* Ops that completed while no tick was running (SF_MSG_OP_EVENTS). */
+/* Op completions no TickEvents carries (SF_MSG_OP_EVENTS; "Wire rules" says which). */
 typedef struct OpEvents {
     uint64_t struct_size;   /* sizeof(OpEvents) */
     uint64_t worker_epoch;  /* epoch of the worker that ran the ops */
@@ -439,8 +563,8 @@ typedef struct QueueReset {
     uint64_t worker_epoch;  /* the worker that reset it */
     uint32_t queue;         /* SF_QUEUE_* */
     uint32_t _pad0;
-    uint64_t head;          /* the counters found */
-    uint64_t tail;          /* the counters found */
+    uint64_t head;          /* the counters found (slots) */
+    uint64_t tail;          /* the counters found (slots) */
     uint64_t reset_to;      /* both counters now */
 } QueueReset;
 
@@ -455,21 +579,22 @@ typedef struct PartialEmit {
 /* The daemon's word on a worker (SF_MSG_WORKER). */
 typedef struct WorkerNotice {
     uint64_t struct_size;   /* sizeof(WorkerNotice) */
-    uint64_t worker_epoch;  /* the new epoch */
+    uint64_t worker_epoch;  /* DEAD, GAVE_UP: the dead worker's epoch; STARTING: the new one */
     uint32_t worker_state;  /* SF_WORKER_* */
-    int32_t exit_status;    /* how the last worker ended: exit code, or -signal */
+    int32_t exit_status;    /* how the last worker ended: exit code (70: fatal runtime error), or -signal */
     uint32_t restarts;      /* restarts so far */
     uint32_t _pad0;
 } WorkerNotice;
 
-/* SPEC §8: what the runtime under the executor can do. Worker writes once. */
+/* SPEC §8: what the runtime under the executor can do. The worker writes it when it
+ * starts (and puts it back if overwritten); DESCRIBE reports the same and more. */
 typedef struct RuntimeDesc {
-    char runtime_id[SF_RUNTIME_ID_BYTES];  /* NUL-padded UTF-8 */
+    char runtime_id[SF_RUNTIME_ID_BYTES];  /* NUL-padded UTF-8, cut to 32 bytes (DESCRIBE: whole) */
     uint32_t vocab_size;  /* token ids are < vocab_size; logits rows are this long */
-    uint32_t max_batch;            /* lanes per step */
-    uint64_t max_seq_len;          /* cells per sequence */
+    uint32_t max_batch;            /* lanes per step; TickPlan.max_decode_lanes <= this */
+    uint64_t max_seq_len;          /* cells (tokens) per sequence: a longer prompt is RejectBudget */
     uint32_t max_seqs;             /* sequences at once; 0 = unbounded */
-    uint32_t page;                 /* cells per KV block */
+    uint32_t page;                 /* cells per KV block; seeds and cache entries are whole pages */
     uint32_t prefill_step_tokens;  /* tokens per prefill step; 0 = one step */
     uint32_t flags;                /* SF_RT_* */
 } RuntimeDesc;
@@ -503,7 +628,7 @@ typedef struct DataRing {
 /* Byte offsets from the segment start of everything in it. */
 typedef struct SegmentLayout {
     uint64_t plan_queue;  /* Queue of SF_MSG_PLAN, planner -> executor */
-    uint64_t event_queue;  /* Queue of SF_MSG_EVENTS/OP_EVENTS/WORKER, executor -> planner */
+    uint64_t event_queue;  /* Queue of SF_MSG_EVENTS/OP_EVENTS/WORKER/RESET, executor -> planner */
     uint64_t op_queue;  /* Queue of SF_MSG_OP, planner -> executor */
     uint64_t stream_queue;  /* Queue of SF_MSG_PARTIAL, executor -> planner */
     uint64_t prompt_ring;  /* DataRing SF_RING_PROMPT */
@@ -519,13 +644,13 @@ typedef struct WorkerCounters {
     uint64_t last_plan_seq;  /* of the last accepted plan */
     uint64_t live_lanes;  /* lanes admitted and not retired */
     uint64_t cache_entries;  /* prefix-cache entries */
-    uint64_t cache_bytes;  /* their bytes */
+    uint64_t cache_bytes;  /* their bytes in the pool */
     uint64_t tokens_emitted;  /* tokens emitted since the worker started */
     uint64_t last_fault_lane;  /* lane of the last LaneFault */
     uint32_t last_fault_code;  /* SF_FAULT_*, 0 = none yet */
     uint32_t _pad0;
-    uint64_t heartbeat_ns;     /* CLOCK_MONOTONIC of the worker's last loop */
-    uint64_t blocked_since_ns;  /* CLOCK_MONOTONIC since the worker waits for event-queue room; 0 = not */
+    uint64_t heartbeat_ns;     /* CLOCK_MONOTONIC ns of the worker's last loop */
+    uint64_t blocked_since_ns;  /* CLOCK_MONOTONIC ns since the worker waits for event-queue room; 0 = not */
     uint64_t session_id;     /* the session the worker serves (its last plan's) */
     uint64_t stale_messages;  /* plans and ops of earlier sessions answered stale */
     uint64_t queue_resets;   /* corrupted queues reset */
@@ -538,7 +663,7 @@ typedef struct SegmentHeader {
     uint64_t magic;           /* SF_MAGIC */
     uint32_t abi_version;     /* SF_ABI_VERSION */
     uint32_t header_bytes;    /* sizeof(SegmentHeader) */
-    uint64_t segment_bytes;   /* size of the whole mapping */
+    uint64_t segment_bytes;   /* bytes of the whole mapping */
     uint32_t owner_uid;       /* the daemon's uid; the file is mode 0600 */
     uint32_t worker_index;  /* which of the daemon's workers */
     char name[SF_NAME_BYTES];  /* daemon name, NUL-padded */
@@ -551,8 +676,8 @@ typedef struct SegmentHeader {
     uint32_t daemon_pid;  /* daemon writes at creation */
     uint32_t restarts;  /* daemon counts worker restarts */
     int32_t last_exit_status; /* exit code, or -signal, of the last worker */
-    uint32_t fault_injection; /* 1 = INJECT_FAULT allowed */
-    uint64_t state_changed_ns;  /* CLOCK_MONOTONIC of the last state change */
+    uint32_t fault_injection; /* 1 = INJECT_FAULT allowed (the daemon's --fault-injection) */
+    uint64_t state_changed_ns;  /* CLOCK_MONOTONIC ns of the last state change */
     uint8_t _pad1[SF_CACHE_LINE - 40];
     /* line 2: planner -> executor, read between prefill steps and decode rounds */
     uint32_t yield_requested;  /* 1 = end the tick at the next step boundary */
@@ -577,8 +702,10 @@ typedef struct SegmentHeader {
  * How a planner (any language) connects to a worker, SPEC §10:
  *
  * 1. Find it: the segment of worker I of daemon NAME is the file
- *    $SUPERFLUID_SHM_DIR/superfluid.NAME.I (default directory /dev/shm),
- *    mode 0600, owned by the daemon's user. Open it O_RDWR (refuse a symlink:
+ *    $SUPERFLUID_SHM_DIR/superfluid.NAME.I (default directory /dev/shm; NAME is
+ *    1-31 of [A-Za-z0-9_.-], starting with a letter or digit; I in 0..65535, in
+ *    decimal), mode 0600, owned by the daemon's user. It may not exist yet (a
+ *    planner may start first): retry. Open it O_RDWR (refuse a symlink:
  *    O_NOFOLLOW), fstat it, map all of it MAP_SHARED.
  * 2. Check it: sf_segment_check(). SF_CONNECT_ABI means the segment speaks
  *    another SF_ABI_VERSION: refuse it, never guess at its layout.
@@ -601,12 +728,28 @@ typedef struct SegmentHeader {
  *    to SF_PLAN_SEQ_MAX, the next ones must grow.
  * 6. Lanes an earlier session left are still live: op LIST_LANES shows them
  *    (with the session that admitted each), RETIRE_LANES ends them.
- * 7. Watch the epoch: when worker_epoch changes, the worker restarted (its
- *    lanes are gone); wait for READY again and keep the session (SPEC §9).
+ * 7. Watch the epoch: when worker_epoch changes, a wait says SF_WAIT_GONE, or
+ *    an SF_MSG_WORKER arrives, the worker is gone, and its lanes, host rows,
+ *    leases and handles with it. sf_wait_ready with after_epoch = the old epoch
+ *    waits for the next one; keep the session, keep plan_seq growing, and
+ *    re-admit each lane with prompt + generated, decode_replay = generated,
+ *    rng_counter_base = base + sampled (SPEC §9). It says SF_WAIT_GONE when no
+ *    worker is coming: GAVE_UP (until the daemon is sent SIGHUP), STOPPED (the
+ *    daemon shuts down: stop_requested), or the daemon is dead.
  *
- * The header is the worker's report: worker_epoch, worker_state, the
- * counters. A planner writes only yield_requested, latency_wanted,
- * session_id (through sf_session_begin) and its side of the queues.
+ * The header is the worker's and the daemon's report: identity (line 0), worker
+ * life (line 1), stop_requested, runtime, layout and counters; what a planner
+ * writes there is rewritten or ignored, and misleads only itself. A planner
+ * writes only:
+ *   yield_requested: nonzero = end the running tick at the next boundary between
+ *     prefill steps or decode rounds (untaken prefill is shed, SF_SHED_REASON_YIELD);
+ *     the worker never clears it: while it stays set, every tick stops at its first;
+ *   latency_wanted: nonzero = keep prefill steps short (latency-sensitive work
+ *     is waiting); clear it when there is none;
+ *   session_id, only through sf_session_begin;
+ *   its side of each queue and ring, only through the sf_queue_* / sf_ring_*
+ *   functions: head and producer_sleeping of the plan and op queues, tail and
+ *   consumer_sleeping of the event and stream queues, the prompt ring.
  */
 
 /* sf_segment_check results. */
