@@ -5,6 +5,7 @@ Python one, token for token), and the README's example run."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -68,3 +69,41 @@ def test_the_readme_example_is_the_file_and_runs(tmp_path_factory, target):
     lines = r.stdout.splitlines()
     assert lines[0] == "fake (vocab 512), eos [511]" and len(lines) == 3, r.stdout
     assert all(re.fullmatch(r"request \d: \[[\d, ]+\] \((max_tokens|eos)\)", ln) for ln in lines[1:]), r.stdout
+
+
+def test_the_wheel_puts_the_rust_planner_on_path_and_it_gets_pythons_tokens(tmp_path, tmp_path_factory, target):
+    """maturin packs the crate's binaries (bindings = "bin"); pip installs
+    them; the installed superfluid-plan answers a workload as `superfluid
+    plan` does."""
+    _cargo()
+    maturin = shutil.which("maturin") or str(Path(sys.executable).with_name("maturin"))
+    if not os.path.exists(maturin):
+        pytest.skip("maturin is not installed (it is in the [test] extras)")
+    env = dict(os.environ, CARGO_TARGET_DIR=str(target))
+    r = subprocess.run([maturin, "build", "--offline", "--release", "-o", str(tmp_path / "wheels")], cwd=CRATE,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (wheel,) = (tmp_path / "wheels").glob("superfluid_planner-*.whl")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
+                        str(wheel)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    plan = tmp_path / "site" / "bin" / "superfluid-plan"
+    assert os.access(plan, os.X_OK) and os.access(plan.with_name("superfluid-bench"), os.X_OK)
+    workload = {"requests": [{"prompt": [5, 6, 7, 8, 9], "max_new_tokens": 10},
+                             {"prompt": [1, 2, 3], "max_new_tokens": 7, "sampling": "sample",
+                              "params": {"temperature": 0.8}, "rng_base": 9},
+                             {"prompt": [4, 4, 4], "max_new_tokens": 6, "sampling": "host",
+                              "host_sampler": "perturb", "stop_at_eos": False}]}
+    (tmp_path / "w.json").write_text(json.dumps(workload))
+    d = Serve(tmp_path_factory.mktemp("rs-wheel"), f"rswheel{os.getpid()}", "--fake")
+    try:
+        d.wait_log("worker 0 ready (epoch 1")
+        theirs = subprocess.run([sys.executable, "-m", "superfluid", "plan", "--name", d.name, str(tmp_path / "w.json")],
+                                capture_output=True, text=True, timeout=120)
+        mine = subprocess.run([str(plan), "--name", d.name, str(tmp_path / "w.json")], capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        d.close()
+    assert theirs.returncode == 0 and mine.returncode == 0, theirs.stderr + mine.stderr
+    got, want = json.loads(mine.stdout)["results"], json.loads(theirs.stdout)["results"]
+    assert got == want and all(r["tokens"] for r in got)

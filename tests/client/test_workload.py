@@ -1,0 +1,108 @@
+"""`superfluid plan`'s workload format (client/workload.py): bad workloads
+name their field, the host samplers are the exact functions the docstring
+defines (what the Rust and Go planners reproduce), and a run through a
+worker kill gives the tokens of a run without one."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from superfluid.client import Client
+from superfluid.client import workload as wl
+
+from tests.daemon.test_planner_boundary import start_fake
+
+
+@pytest.fixture(scope="module")
+def fake_daemon(tmp_path_factory):
+    d = start_fake(tmp_path_factory, "wl")
+    try:
+        yield d.name
+    finally:
+        d.close()
+
+
+def f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def perturb_by_hand(row: list[float], position: int) -> int:
+    """The docstring's definition, one scalar at a time (Python ints, f32 by struct)."""
+    m = (1 << 64) - 1
+    best, top = 0, None
+    for i, v in enumerate(row):
+        z = (((position << 32) + i) & m) + 0x9E3779B97F4A7C15 & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        z ^= z >> 31
+        s = f32(f32(v) + f32(2.0 * ((z >> 40) / 2.0**24)))
+        if top is None or s > top:
+            best, top = i, s
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=300), st.integers(0, 2**64 - 1))
+def test_perturb_is_the_documented_function(row, position):
+    assert wl.host_perturb(np.array(row, np.float32), position) == perturb_by_hand(row, position)
+
+
+def test_perturb_draws_by_position_and_argmax_does_not():
+    row = np.random.default_rng(0).normal(size=512).astype(np.float32)
+    picks = {wl.host_perturb(row, p) for p in range(40)}
+    assert len(picks) > 5  # the negative control: positions matter
+    assert {wl.host_argmax(row, p) for p in range(40)} == {int(np.argmax(row))}
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({}, "workload.requests"),
+    ({"requests": [{"max_new_tokens": 3}]}, "requests[0].prompt"),
+    ({"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "beam"}]}, "requests[0].sampling"),
+    ({"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "host", "host_sampler": "x"}]},
+     "requests[0].host_sampler"),
+    ({"requests": [{"prompt": [1], "max_new_tokens": 3, "params": {"temp": 1}}]}, "requests[0].params.temp"),
+    ({"options": {"budget": 1}, "requests": []}, "options.budget"),
+])
+def test_a_bad_workload_names_its_field(bad, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        wl.load(bad)
+
+
+WORKLOAD = {"options": {"prefill_token_budget": 16},
+            "requests": [{"prompt": list(range(3, 40)), "max_new_tokens": 12},
+                         {"prompt": [9, 8, 7], "max_new_tokens": 10, "sampling": "sample",
+                          "params": {"temperature": 0.9, "top_k": 40}, "rng_base": 11},
+                         {"prompt": [1, 2, 3, 4], "max_new_tokens": 8, "sampling": "host", "host_sampler": "perturb",
+                          "rng_base": 3, "stop_at_eos": False}]}
+
+
+def test_a_worker_kill_changes_no_token(fake_daemon):
+    name = fake_daemon
+    with Client.connect(name, timeout=60) as c:
+        plain = wl.run(c, WORKLOAD, 120)
+    with Client.connect(name, timeout=60) as c:
+        killed = wl.run(c, {**WORKLOAD, "kill_worker_after_tokens": 9}, 120)
+    assert killed["stats"]["killed"] and killed["stats"]["restarts"] >= 1
+    assert [r["tokens"] for r in killed["results"]] == [r["tokens"] for r in plain["results"]]
+    assert all(len(r["tokens"]) > 0 for r in plain["results"])
+
+
+def test_the_command_line_prints_the_results(fake_daemon, tmp_path):
+    (tmp_path / "w.json").write_text(json.dumps(WORKLOAD))
+    r = subprocess.run([sys.executable, "-m", "superfluid", "plan", "--name", fake_daemon, str(tmp_path / "w.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [x["id"] for x in out["results"]] == [1, 2, 3] and out["stats"]["killed"] is False
+    (tmp_path / "bad.json").write_text('{"requests": [{"prompt": [1]}]}')
+    r = subprocess.run([sys.executable, "-m", "superfluid", "plan", "--name", fake_daemon, str(tmp_path / "bad.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "requests[0].max_new_tokens" in r.stderr
