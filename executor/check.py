@@ -19,9 +19,14 @@ from superfluid.rings.errors import RefError
 
 _SIZE = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
                                      "LaneLogprob")}
+# Plain ints: `int & IntFlag` builds a flag object (microseconds a tick).
+_DRAIN = int(PlanFlag.DRAIN)
+_EVENTS_BASE = codec.MSG_HEADER_BYTES + _SIZE["TickEvents"] + 512  # + the reject message, alignment
+_ADMIT_RESULT, _EMIT, _FAULT, _SHED, _LOGPROB = (_SIZE[n] for n in ("AdmitResult", "LaneEmit", "LaneFault",
+                                                                     "ShedEntry", "LaneLogprob"))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Verdict:
     """What check() learned, for apply(): nothing here has happened yet."""
 
@@ -49,14 +54,17 @@ def check(ex, plan: TickPlan) -> Verdict:
     if len(plan.decodes) > plan.max_decode_lanes:
         raise reject(Status.RejectBudget, "TickPlan.decodes",
                      f"{len(plan.decodes)} decodes > max_decode_lanes {plan.max_decode_lanes}")
-    if plan.flags & PlanFlag.DRAIN and plan.admits:
+    if plan.flags & _DRAIN and plan.admits:
         raise reject(Status.RejectIllegalCombination, "TickPlan.admits", "admits in a DRAIN plan")
     ex.sweep_leases()
-    prompts, seeds = _admits(ex, plan)
-    _commits(ex, plan)
-    reached = _prefills(ex, plan, prompts, seeds)
-    rounds = _decodes(ex, plan, prompts, seeds, reached)
-    _retires(ex, plan)
+    # Each step runs where its list has something to check (an empty list passes every rule).
+    prompts, seeds = _admits(ex, plan) if plan.admits else ({}, {})
+    if plan.commits:
+        _commits(ex, plan)
+    reached = _prefills(ex, plan, prompts, seeds) if plan.prefills else {}
+    rounds = _decodes(ex, plan, prompts, seeds, reached) if plan.decodes else {}
+    if plan.retires:
+        _retires(ex, plan)
     evict, unpublish, cells_after = check_memory(ex, plan, reached, rounds, seeds)
     _events_fit(ex, plan)
     return Verdict(plan, prompts, seeds, evict, unpublish, cells_after)
@@ -278,18 +286,17 @@ def _events_fit(ex, plan: TickPlan) -> None:
     the messages that follow, so no completion can refuse a plan."""
     if ex.event_capacity is None:
         return
-    size = codec.MSG_HEADER_BYTES + _SIZE["TickEvents"] + 512  # + the reject message, alignment
-    size += len(plan.admits) * _SIZE["AdmitResult"]
-    size += len(plan.decodes) * _SIZE["LaneEmit"]
-    size += (len(plan.decodes) + len(plan.prefills) + len(plan.admits)) * _SIZE["LaneFault"]
+    admits, prefills, decodes = plan.admits, plan.prefills, plan.decodes
+    size = _EVENTS_BASE + len(admits) * _ADMIT_RESULT + len(decodes) * _EMIT
+    size += (len(decodes) + len(prefills) + len(admits)) * _FAULT
     # Shed entries: chunks, evictions (every entry at most once, each retire's
     # would-be entry), takeovers and lost imports (one per admit).
-    sheds = (2 * len(plan.prefills) + 2 * len(plan.retires) + len(ex.cache.entries) + len(ex.pending_shed)
-             + 2 * len(plan.admits))
-    size += sheds * _SIZE["ShedEntry"]
-    wants = {a.lane_tag for a in plan.admits if a.want_logprobs}
-    wants |= {t for t, ln in ex.lanes.items() if ln.logprobs_top is not None}
-    size += sum(d.max_new_tokens for d in plan.decodes if d.lane_tag in wants) * _SIZE["LaneLogprob"]
+    sheds = 2 * len(prefills) + 2 * len(plan.retires) + len(ex.cache.entries) + len(ex.pending_shed) + 2 * len(admits)
+    size += sheds * _SHED
+    if decodes:
+        wants = {a.lane_tag for a in admits if a.want_logprobs}
+        wants |= {t for t, ln in ex.lanes.items() if ln.logprobs_top is not None}
+        size += sum(d.max_new_tokens for d in decodes if d.lane_tag in wants) * _LOGPROB
     if size > ex.event_capacity:
         raise reject(Status.RejectBudget, "TickPlan.decodes",
                      f"its events could take {size} bytes, the event slot holds {ex.event_capacity}")

@@ -16,6 +16,9 @@ from superfluid.executor.lanes import Lane, PendingRow
 from superfluid.rings.errors import RefError
 
 _HOST = int(Sampling.HOST)
+_OK, _TICK_OK, _TICK_SHED, _TICK_LANE_ERRORS = int(Status.OK), int(TickStatus.OK), int(TickStatus.SHED), \
+    int(TickStatus.LANE_ERRORS)
+_FINISH_NONE = int(Finish.NONE)
 _GREEDY_SPEC = SampleSpec()
 
 
@@ -236,8 +239,8 @@ class DecodePhase:
             if tag in self.faulted_now or tag not in ex.lanes:
                 continue
             lane = ex.lanes[tag]
-            finish = self.finishes.get(tag, int(Finish.NONE))
-            if lane.sampling == Sampling.HOST:
+            finish = self.finishes.get(tag, _FINISH_NONE)
+            if lane.sampling == _HOST:
                 row = lane.pending_row
                 emits.append(LaneEmit(lane_tag=tag, finish=finish, logits_row=row.ref if row else RingRef(),
                                       logits_nonce=row.nonce if row else 0))
@@ -250,10 +253,13 @@ class DecodePhase:
                 continue
             ex.tokens_emitted += len(tokens)
             emits.append(LaneEmit(lane_tag=tag, token_ref=ref, n_tokens=len(tokens), finish=finish))
-        status = (TickStatus.LANE_ERRORS if self.faults else
-                  TickStatus.SHED if self.chunks_dropped or self.evictions else TickStatus.OK)
+        status = (_TICK_LANE_ERRORS if self.faults else
+                  _TICK_SHED if self.chunks_dropped or self.evictions else _TICK_OK)
         shed = ShedReport(self.chunks_dropped, self.evictions, self.bytes_evicted, tuple(self.shed))
-        return TickEvents(plan_seq=self.plan.plan_seq, status=int(Status.OK), tick_status=int(status),
+        comps = ex.completions
+        if comps:
+            ex.completions = []
+        return TickEvents(plan_seq=self.plan.plan_seq, status=_OK, tick_status=status,
                           admit_results=tuple(self.admit_results), emits=tuple(emits), faults=tuple(self.faults),
-                          shed=shed, op_completions=tuple(ex._take_completions()), logprobs=tuple(self.logprobs),
+                          shed=shed, op_completions=tuple(comps), logprobs=tuple(self.logprobs),
                           timings=timings, mem=ex._mem_record(), worker_epoch=ex.epoch)

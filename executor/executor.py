@@ -176,15 +176,19 @@ class Executor:
 
     # ------------------------------------------------------------ the tick
 
-    def tick(self, plan: TickPlan | bytes | bytearray | memoryview) -> TickResult:
-        """Check, then apply, one plan (a TickPlan record or a slot message)."""
+    def tick(self, plan: TickPlan | bytes | bytearray | memoryview, *, decoded: bool = False) -> TickResult:
+        """Check, then apply, one plan (a TickPlan record or a slot message).
+        `decoded`: the record came from decode_plan, whose record-level checks
+        it has passed already."""
         t0 = self.clock()
-        seq = plan.plan_seq if isinstance(plan, TickPlan) else plan_seq_of(plan)
+        record = isinstance(plan, TickPlan)
+        seq = plan.plan_seq if record else plan_seq_of(plan)
         if self.dead:
             return self._refused(seq, Status.Fatal, "executor", self.dead)
         try:
-            if isinstance(plan, TickPlan):
-                check_plan(plan)  # the record-level checks decode_plan runs on bytes
+            if record:
+                if not decoded:
+                    check_plan(plan)  # the record-level checks decode_plan runs on bytes
             else:
                 plan = decode_plan(plan)
             verdict = self.check(plan)
@@ -206,21 +210,28 @@ class Executor:
         self.last_plan_seq = plan.plan_seq
         self.tick_count += 1
         t = Tick(self, v)
+        # A phase whose list is empty has nothing to do: it is not entered.
         for e in v.evict:
             t.evict(e, ShedReason.MEMORY)
-        t.retires()
+        if plan.retires:
+            t.retires()
         t.settle_cache()
-        t.commits()
-        t.takeovers()
-        t.admits()
-        self.seeded_tokens += sum(u.n for u in v.seeds.values())
-        t_prefill = self.clock()
-        t.prefill()
-        prefill_ns = self.clock() - t_prefill
-        t_decode = self.clock()
-        t.decode()
-        decode_ns = self.clock() - t_decode
-        return t.events(TickTimings(self.clock() - t0, prefill_ns, decode_ns, 0, 0))
+        if plan.commits:
+            t.commits()
+        if plan.admits:
+            t.takeovers()
+            t.admits()
+            self.seeded_tokens += sum(u.n for u in v.seeds.values())
+        clock = self.clock
+        t_prefill = clock()
+        if plan.prefills:
+            t.prefill()
+        t_decode = clock()
+        prefill_ns = t_decode - t_prefill
+        if plan.decodes:
+            t.decode()
+        t_end = clock()
+        return t.events(TickTimings(t_end - t0, prefill_ns, t_end - t_decode, 0, 0))
 
     def _refused(self, plan_seq: int, status: Status, field: str, message: str) -> TickResult:
         detail = f"{field}: {message}"

@@ -21,6 +21,8 @@ never refused and one that does not is never applied.
 from __future__ import annotations
 
 from superfluid.abi import CacheClass, Status
+
+_RESIDENT_PREFIX = int(CacheClass.RESIDENT_PREFIX_CLASS)
 from superfluid.abi.records import TickPlan
 from superfluid.engine.plan import PlanReject
 from superfluid.executor.cache import CacheEntry
@@ -32,6 +34,11 @@ def check_memory(ex, plan: TickPlan, reached: dict[int, int], rounds: dict[int, 
     """(entries to evict, retires that must not publish, each lane's cells at
     the end at most); sets each seed's path. Raises NeedsReplan."""
     rt, page, desc = ex.runtime, ex.page, ex.desc
+    if not (reached or rounds or seeds or plan.admits or plan.retires):
+        # Nothing grows, is seeded, published or admitted: no cell is needed,
+        # and a slot is short only where the runtime holds more than max_seqs.
+        if not desc.max_seqs or rt.mem_counters().seqs <= desc.max_seqs:
+            return [], set(), {}
 
     def pages(n: int) -> int:
         return -(-n // page)
@@ -121,7 +128,7 @@ def check_memory(ex, plan: TickPlan, reached: dict[int, int], rounds: dict[int, 
         return free + (rt.cells_released(gone) if gone else 0) >= needed
 
     cells_after = {tag: after for tag, (_, after) in grow.items()}
-    allowed = bool(plan.evictable_cache_classes & CacheClass.RESIDENT_PREFIX_CLASS)
+    allowed = bool(plan.evictable_cache_classes & _RESIDENT_PREFIX)
 
     def room(needed: int, short: int) -> tuple[list[CacheEntry], list[int]] | None:
         if fits(needed, short, [], []):

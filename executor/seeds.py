@@ -106,6 +106,8 @@ class LeaseTable:
 
     def sweep(self, accepted_ticks: int) -> list[SeedLease]:
         """SPEC §3 step 3: leases whose ticks are up end."""
+        if not self.leases:
+            return []
         gone = [ls for ls in self.leases.values() if accepted_ticks >= ls.expires]
         for ls in gone:
             self.drop(ls)

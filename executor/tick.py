@@ -27,6 +27,7 @@ CHECKPOINT_MIN_TOKENS = 128
 # so a yield asked for mid-tick is answered within it.
 LATENCY_STEP_SECS = 0.3
 LATENCY_STEP_UNIT = 128
+_PARTIAL_EMITS = int(PlanFlag.PARTIAL_EMITS)  # `int & IntFlag` builds a flag object: compare plain ints
 
 
 class RetirePhase:
@@ -154,21 +155,24 @@ class Tick(AdmitPhase, DecodePhase, RetirePhase):
     def __init__(self, ex, v: Verdict):
         plan: TickPlan = v.plan
         # Evictions ops made since the last tick are reported in this one.
-        RetirePhase.__init__(self, ex, list(ex.pending_shed), ex.tick_count)
+        pending = ex.pending_shed
+        if pending:
+            ex.pending_shed = []  # the list is this tick's shed now
+        RetirePhase.__init__(self, ex, pending or [], ex.tick_count)
         self.plan = plan
         self.verdict = v
         self.admit_results: list = []
         self.faults: list = []
         self.faulted_now: set[int] = set()
         self.chunks_dropped = 0
-        self.evictions = len(ex.pending_shed)
-        self.bytes_evicted = sum(e.bytes for e in ex.pending_shed)
-        ex.pending_shed = []
+        if pending:
+            self.evictions = len(pending)
+            self.bytes_evicted = sum(e.bytes for e in pending)
         self.logprobs: list = []
         self.rows: dict[int, np.ndarray] = {}
-        self.out_tokens: dict[int, list[int]] = {d.lane_tag: [] for d in plan.decodes}
+        self.out_tokens: dict[int, list[int]] = {d.lane_tag: [] for d in plan.decodes} if plan.decodes else {}
         self.finishes: dict[int, int] = {}
-        self.partial = bool(plan.flags & PlanFlag.PARTIAL_EMITS) and ex.partial_sink is not None
+        self.partial = bool(plan.flags & _PARTIAL_EMITS) and ex.partial_sink is not None
         self.yielded = False
         self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
 

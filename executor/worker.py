@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import os
+import struct
 import sys
 import time
 
@@ -44,6 +45,28 @@ PARTIAL_WAIT_S = 1.0  # a partial emit waits this long for room, then is dropped
 _COMPLETION = codec.CODECS["OpCompletion"].size
 _OP_EVENTS = codec.MSG_HEADER_BYTES + codec.align(codec.CODECS["OpEvents"].size)
 _QUEUES = (("plan", QueueKind.PLAN), ("op", QueueKind.OP), ("event", QueueKind.EVENT), ("stream", QueueKind.STREAM))
+_IDLE_SLICE_NS = int(IDLE_SLICE_S * 1e9)
+_monotonic = time.monotonic
+_sane = lib.sf_queue_sane
+_peek_at = lib.sf_queue_peek_at
+_now_ns = lib.sf_monotonic_ns
+
+
+def _counter_struct(first: str, last: str) -> tuple[int, struct.Struct]:
+    """(offset, packer) of WorkerCounters' u64 fields first..last: one
+    pack_into writes them all (each word one aligned 8-byte store)."""
+    at = ffi.offsetof("WorkerCounters", first)
+    n = (ffi.offsetof("WorkerCounters", last) + 8 - at) // 8
+    return at, struct.Struct(f"<{n}Q")
+
+
+# The counters a tick moves, in WorkerCounters order (asserted below); the
+# last fault is written only when there is one.
+_TICK_AT, _TICK_WORDS = _counter_struct("ticks", "tokens_emitted")
+_LIFE_AT, _LIFE_WORDS = _counter_struct("heartbeat_ns", "queue_resets")
+_FAULT_AT, _FAULT = ffi.offsetof("WorkerCounters", "last_fault_lane"), struct.Struct("<QI")
+assert _TICK_WORDS.size == 56 and _LIFE_WORDS.size == 40
+assert ffi.offsetof("WorkerCounters", "last_fault_code") == _FAULT_AT + 8
 
 
 class Stopped(Exception):
@@ -81,11 +104,16 @@ class Worker:
         self._outbox: collections.deque[tuple[str, object, int]] = collections.deque()
         self._comp_session = 0  # whose ops the pending completions answer
         self._blocked_since = 0
-        self._geometry_at = self._reported_at = self._guarded_at = 0.0
+        self._geometry_at = self._reported_at = 0.0
+        self._due = 0.0  # when the loop next looks at the daemon's channel, every queue and the header
+        self._gauges: tuple | None = None  # what metrics.gauges was last told
         h = segment.header
         self._epoch_p = ffi.addressof(h, "worker_epoch")
         self._state_p = ffi.addressof(h, "worker_state")
         self._session_p = ffi.addressof(h, "session_id")
+        self._counters_mv = memoryview(ffi.buffer(ffi.addressof(h, "counters"), ffi.sizeof("WorkerCounters")))
+        self._plan_view = segment.plan_queue._view
+        self._op_view = segment.op_queue._view
         # Started by the daemon (it told us the geometry): the name and index are in
         # the path it gave, the daemon is our parent. What to put back on line 0.
         named = parse_segment_path(segment.path)
@@ -113,6 +141,13 @@ class Worker:
         slot; the rest follow as OpEvents."""
         comps = ev.op_completions
         if not comps:
+            if not self._outbox:  # the common case: straight into a free slot, no outbox
+                q = self.seg.event_queue
+                slot = q.try_reserve()
+                if slot is not None:
+                    codec.encode_into(slot, "TickEvents", ev, session=session)
+                    if q.try_publish():
+                        return
             self._outbox.append(("TickEvents", ev, session))
             return
         size = len(codec.encode("TickEvents", ev._replace(op_completions=())))
@@ -192,20 +227,17 @@ class Worker:
         if len(self._outbox) <= 1:  # past that, what ops answer would pile up here unbounded
             self._drain_ops(room=self.slot_bytes)
         self._counters()
+        self._report()
 
     # ----------------------------------------------------------- guarding
 
     def _guard(self, every: bool = True) -> None:
         """Reset a queue whose counters no live peer could have made. Each
         loop looks at the plan queue (a tail past its head would feed it
-        garbage); the others (bounded drains, full-queue waits) now and then."""
-        now = time.monotonic()
-        if every or now - self._guarded_at >= REPORT_S:
-            self._guarded_at = now
-            queues = _QUEUES
-        else:
-            queues = _QUEUES[:1]
-        for name, kind in queues:
+        garbage: run() asks sf_queue_sane itself and calls this only when
+        it says no); the others (bounded drains, full-queue waits) every
+        REPORT_S, from run()'s periodic look."""
+        for name, kind in (_QUEUES if every else _QUEUES[:1]):
             q = self.seg.queues[name]
             if lib.sf_queue_sane(q._view):
                 continue
@@ -217,12 +249,13 @@ class Worker:
             self._outbox.appendleft(("QueueReset", QueueReset(worker_epoch=self.epoch, queue=int(kind), head=head,
                                                               tail=tail, reset_to=to), 0))
 
-    def _report(self) -> None:
+    def _report(self, due: bool = False) -> None:
         """The header's worker fields are this worker's report: put back
         what someone else wrote there (every REPORT_S: a forged state lives
-        that long, and a tick pays nothing for it)."""
-        now = time.monotonic()
-        if now - self._reported_at < REPORT_S:
+        that long, and a tick pays nothing for it). `due`: the caller keeps
+        the time."""
+        now = _monotonic()
+        if not due and now - self._reported_at < REPORT_S:
             return
         self._reported_at = now
         seg, h = self.seg, self.seg.header
@@ -247,24 +280,23 @@ class Worker:
                 print(f"superfluid worker: segment header repaired: {fix}", file=sys.stderr)
 
     def _counters(self) -> None:
-        c = self.seg.counters
+        """WorkerCounters and the metrics gauges, current (the header's
+        report fields: _report, from the loop's periodic look)."""
         ex = self.ex
-        c.ticks = ex.tick_count
-        c.rejects = ex.rejects
-        c.last_plan_seq = ex.last_plan_seq or 0
-        c.live_lanes = len(ex.lanes)
-        c.cache_entries = len(ex.cache)
-        c.cache_bytes = ex.cache.resident_bytes
-        c.tokens_emitted = ex.tokens_emitted
-        c.session_id = self.session
-        c.stale_messages, c.queue_resets = self.stale_messages, self.queue_resets
+        mv = self._counters_mv
+        lanes, entries, cache_bytes = len(ex.lanes), len(ex.cache), ex.cache.resident_bytes
+        _TICK_WORDS.pack_into(mv, _TICK_AT, ex.tick_count, ex.rejects, ex.last_plan_seq or 0, lanes, entries,
+                              cache_bytes, ex.tokens_emitted)
         if ex.last_fault is not None:
-            c.last_fault_lane, c.last_fault_code = ex.last_fault
-        c.heartbeat_ns = lib.sf_monotonic_ns()
-        self._report()
+            _FAULT.pack_into(mv, _FAULT_AT, *ex.last_fault)
+        _LIFE_WORDS.pack_into(mv, _LIFE_AT, _now_ns(), self._blocked_since, self.session, self.stale_messages,
+                              self.queue_resets)
         if self.metrics is not None:
-            self.metrics.gauges(lanes_live=len(ex.lanes), cache_entries=len(ex.cache),
-                                cache_bytes=ex.cache.resident_bytes, cache_hit_tokens=ex.seeded_tokens)
+            g = (lanes, entries, cache_bytes, ex.seeded_tokens)
+            if g != self._gauges:  # unchanged gauges: nothing to write
+                self._gauges = g
+                self.metrics.gauges(lanes_live=lanes, cache_entries=entries, cache_bytes=cache_bytes,
+                                    cache_hit_tokens=ex.seeded_tokens)
 
     # ------------------------------------------------------------ sessions
 
@@ -339,12 +371,13 @@ class Worker:
                 ev = self.ex._refused(seq, r.status, r.field, r.message).events
             else:
                 self.seg.plan_queue.try_release()  # decoded: the planner may queue the next plan now
-                ev = self.ex.tick(plan).events
+                ev = self.ex.tick(plan, decoded=True).events
         self._counters()  # before the events go out: a planner that sees them sees the counters too
         if self.metrics is not None:
             self.metrics.tick(plan, ev)
         self._emit_events(ev, session)
-        self._flush()
+        if self._outbox:
+            self._flush()
 
     def run(self) -> int:
         """Serve until the daemon says stop (0); a fatal runtime error exits
@@ -353,25 +386,37 @@ class Worker:
         seg.header.worker_pid = self.pid
         seg.runtime = self._desc
         self._report()
-        plans = seg.plan_queue
+        plans, ex = seg.plan_queue, self.ex
+        plan_view, op_view = self._plan_view, self._op_view
         spin = DEFAULT_SPIN_NS  # right after a tick the next plan often follows: spin for it first
         try:
             while True:
-                if self.control.stop_requested():
-                    raise Stopped()
-                self._guard(every=False)
-                self._drain_ops()
-                if self.ex.completions and plans.try_peek() is None:
+                # What needs no answer within a tick (the daemon's stop, the
+                # other queues' counters, the header's report) is looked at
+                # every REPORT_S, not every plan: a plan pays two C calls here.
+                now = _monotonic()
+                if now >= self._due:
+                    self._due = now + REPORT_S
+                    if self.control.stop_requested():
+                        raise Stopped()
+                    self._guard()
+                    self._report(due=True)
+                elif not _sane(plan_view):
+                    self._guard(every=False)
+                if _peek_at(op_view) >= 0:
+                    self._drain_ops()
+                if ex.completions and plans.try_peek() is None:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
-                self._flush()
-                try:
-                    slot = plans.peek(IDLE_SLICE_S, spin_ns=spin)
-                except QueueTimeout:
+                if self._outbox:
+                    self._flush()
+                slot = plans.peek_within(_IDLE_SLICE_NS, spin)
+                if slot is None:
                     spin = 0  # idle: sleep, do not burn a core
                     self._counters()
                     continue
                 spin = DEFAULT_SPIN_NS
-                self._drain_ops()
+                if _peek_at(op_view) >= 0:
+                    self._drain_ops()
                 self._plan(slot)
         except Stopped:
             seg.set_worker_state(WorkerState.STOPPING)

@@ -193,6 +193,16 @@ class SlotQueue:
             raise PeerGone(self._seg.epoch, self._seg.worker_state, epoch)
         raise StopRequested(f"{self.name} queue: the daemon asked the worker to stop")
 
+    def peek_within(self, timeout_ns: int, spin_ns: int = DEFAULT_SPIN_NS) -> memoryview | None:
+        """The oldest unread slot, waiting at most `timeout_ns` (spinning
+        `spin_ns` first); None when none came. One C call, no peer checks:
+        for a consumer that waits in short slices and looks around between
+        them itself (the worker)."""
+        if self._seg.closed:
+            raise self._closed()
+        i = _wait_peek(self._view, ffi.NULL, 0, 0, timeout_ns, spin_ns)
+        return self._slots[i] if i >= 0 else None
+
     def peek(self, timeout: float | None = None, *, epoch: int | None = None, watch_stop: bool = False,
              spin_ns: int = DEFAULT_SPIN_NS) -> memoryview:
         """The oldest unread slot, waiting for one. `epoch`: the worker epoch
