@@ -1,0 +1,239 @@
+package workload_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	sf "superfluid"
+	"superfluid/internal/livetest"
+	"superfluid/workload"
+)
+
+const T = 300 * time.Second
+
+// The host samplers are client/workload.py's, bit for bit: rows with ties,
+// negatives and infinities at positions near the edges of the u64 range.
+func TestHostSamplersMatchPython(t *testing.T) {
+	py := livetest.Python(t)
+	var rows [][]uint32 // float32 bits, so nothing is lost on the way
+	x := uint64(12345)
+	for r := 0; r < 6; r++ {
+		row := make([]uint32, 300+r*97)
+		for i := range row {
+			x = x*6364136223846793005 + 1442695040888963407
+			v := float32(int64(x>>40)%2000-1000) / 256 // ties are common at this scale
+			if r == 5 && i%50 == 7 {
+				v = float32(math.Inf(-1))
+			}
+			row[i] = math.Float32bits(v)
+		}
+		rows = append(rows, row)
+	}
+	positions := []uint64{0, 1, 7, 1 << 32, 1<<40 + 3, math.MaxUint64}
+	b, _ := json.Marshal(map[string]any{"rows": rows, "positions": positions})
+	d := &livetest.Daemon{Python: py}
+	out := d.PythonCode(t, `
+import json
+import numpy as np
+from superfluid.client.workload import host_argmax, host_perturb
+`+fmt.Sprintf("w = json.loads(%q)\n", string(b))+`
+out = []
+for bits in w["rows"]:
+    row = np.array(bits, dtype=np.uint32).view(np.float32)
+    out.append([[host_argmax(row, p), host_perturb(row, p)] for p in w["positions"]])
+print(json.dumps(out))
+`)
+	var want [][][2]uint32
+	if err := json.Unmarshal([]byte(out), &want); err != nil {
+		t.Fatal(err, out)
+	}
+	differ := 0
+	for r, bits := range rows {
+		row := make([]float32, len(bits))
+		for i, b := range bits {
+			row[i] = math.Float32frombits(b)
+		}
+		for k, p := range positions {
+			got := [2]uint32{workload.Argmax(row, p), workload.Perturb(row, p)}
+			if got != want[r][k] {
+				t.Errorf("row %d position %d: go %v, python %v", r, p, got, want[r][k])
+			}
+			if got[0] != got[1] {
+				differ++
+			}
+		}
+	}
+	if differ == 0 { // negative control: perturb is not argmax
+		t.Error("perturb never differs from argmax")
+	}
+}
+
+// prefix is a shared system prompt of whole pages (leases need them).
+func prefix(n int) []int {
+	p := make([]int, n)
+	for i := range p {
+		p[i] = 1 + (i*37)%250
+	}
+	return p
+}
+
+func with(p []int, tail ...int) []int { return append(append([]int(nil), p...), tail...) }
+
+// mixed is greedy, sampled, host-sampled (argmax, perturb) and seeded lanes:
+// two lanes at a time, so later requests find the shared prefix published.
+func mixed(rngShift int) map[string]any {
+	p := prefix(40)
+	sample := map[string]any{"temperature": 0.9, "top_k": 50, "top_p": 0.9}
+	return map[string]any{
+		"options": map[string]any{"max_lanes": 2, "decode_grant": 3, "prefill_token_budget": 64,
+			"prefill_chunk": 24},
+		"requests": []map[string]any{
+			{"prompt": with(p, 7, 8), "max_new_tokens": 10},
+			{"prompt": with(p, 9), "max_new_tokens": 10, "sampling": "sample", "params": sample,
+				"rng_base": 5 + rngShift},
+			{"prompt": []int{11, 12, 13}, "max_new_tokens": 6, "sampling": "host", "host_sampler": "argmax"},
+			{"prompt": []int{11, 12, 13}, "max_new_tokens": 6, "sampling": "host", "host_sampler": "perturb"},
+			{"prompt": with(p, 20, 21), "max_new_tokens": 10, "sampling": "sample",
+				"params": map[string]any{"temperature": 1.0}, "rng_base": 1234 + rngShift, "stop_at_eos": false},
+			{"prompt": with(p, 30), "max_new_tokens": 8, "stop_at_eos": false},
+			{"prompt": with(p, 31), "max_new_tokens": 6, "sampling": "host", "host_sampler": "perturb",
+				"rng_base": 99, "stop_at_eos": false},
+		},
+	}
+}
+
+func goRun(t *testing.T, d *livetest.Daemon, w map[string]any, clear bool) *workload.Output {
+	t.Helper()
+	b, _ := json.Marshal(w)
+	wl, err := workload.Load(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := d.Connect(t)
+	defer c.Close()
+	if clear {
+		if _, err := c.CacheClear(T); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, err := workload.Run(c, wl, T)
+	if err != nil {
+		t.Fatalf("go planner: %v; daemon log:\n%s", err, d.Log())
+	}
+	return out
+}
+
+// clearCache empties the prefix cache, so two runs see the same worker.
+func clearCache(t *testing.T, d *livetest.Daemon) {
+	c := d.Connect(t)
+	defer c.Close()
+	if _, err := c.CacheClear(T); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func tokens(o *workload.Output) [][]uint32 {
+	var out [][]uint32
+	for _, r := range o.Results {
+		out = append(out, r.Tokens)
+	}
+	return out
+}
+
+// compareWithPython: the Go planner's tokens equal the Python planner's on
+// the same daemon, bitwise; with leases used; through a worker kill; and
+// not vacuously (other rng positions give other tokens).
+func compareWithPython(t *testing.T, d *livetest.Daemon) {
+	clearCache(t, d)
+	want := d.PythonPlan(t, mixed(0))
+	got := goRun(t, d, mixed(0), true)
+	if !reflect.DeepEqual(got.Results, want.Results) {
+		t.Fatalf("go %s\npython %s", got.JSON(), (&workload.Output{Results: want.Results}).JSON())
+	}
+	// The same plans on the same (cleared) worker: the same ticks and leases too.
+	if got.Stats != want.Stats {
+		t.Errorf("stats: go %+v, python %+v", got.Stats, want.Stats)
+	}
+	if got.Stats.Leases == 0 || got.Stats.SeededTokens == 0 {
+		t.Errorf("no seed lease was used: %+v", got.Stats)
+	}
+	r := want.Results
+	if reflect.DeepEqual(r[2].Tokens, r[3].Tokens) {
+		t.Errorf("perturb gave argmax's tokens: %v", r[2].Tokens)
+	}
+
+	t.Run("kill_worker_after_tokens", func(t *testing.T) {
+		w := mixed(0)
+		w["kill_worker_after_tokens"] = 13
+		got := goRun(t, d, w, false)
+		if !got.Stats.Killed || got.Stats.Restarts < 1 {
+			t.Fatalf("the kill did not restart the worker: %+v", got.Stats)
+		}
+		readmitted := 0
+		for _, r := range got.Results {
+			if r.Admissions > 1 {
+				readmitted++
+			}
+		}
+		if readmitted == 0 {
+			t.Fatalf("no request was re-admitted: %s", got.JSON())
+		}
+		if !reflect.DeepEqual(tokens(got), tokens(want)) {
+			t.Fatalf("after a kill: go %v\npython %v", tokens(got), tokens(want))
+		}
+	})
+
+	t.Run("negative_control_other_rng_positions", func(t *testing.T) {
+		got := goRun(t, d, mixed(1), false)
+		g, w := tokens(got), tokens(want)
+		for _, i := range []int{1, 4} { // the sampled requests moved their rng_base
+			if reflect.DeepEqual(g[i], w[i]) {
+				t.Errorf("request %d: the same tokens at other rng positions: %v", i+1, g[i])
+			}
+		}
+		for _, i := range []int{0, 2, 3, 5, 6} {
+			if !reflect.DeepEqual(g[i], w[i]) {
+				t.Errorf("request %d changed with another request's rng_base: %v vs %v", i+1, g[i], w[i])
+			}
+		}
+	})
+}
+
+func TestFakeRuntimeTokensMatchPythonPlanner(t *testing.T) {
+	d := livetest.Serve(t, "--fake", "--restart-backoff", "0.05")
+	compareWithPython(t, d)
+}
+
+func TestTinyModelTokensMatchPythonPlanner(t *testing.T) {
+	dir := livetest.TinyModelDir(t)
+	d := livetest.Serve(t, "--model", dir, "--max-batch", "8", "--threads", "1", "--restart-backoff", "0.05")
+	compareWithPython(t, d)
+}
+
+func TestLoadRefusesABadWorkload(t *testing.T) {
+	for src, msg := range map[string]string{
+		`[]`:                                    "a workload is a JSON object",
+		`{}`:                                    "workload.requests is missing",
+		`{"options": {"x": 1}, "requests": []}`: "options.x: not an option",
+		`{"requests": [{"prompt": [1]}]}`:       "requests[0].max_new_tokens is missing",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "sampling": "beam"}]}`:                      "requests[0].sampling = 'beam'",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "params": {"tmp": 1}}]}`:                    "requests[0].params.tmp",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "sampling": "host", "host_sampler": "x"}]}`: "host_sampler",
+	} {
+		if _, err := workload.Load([]byte(src)); err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("%s: %v, want %q", src, err, msg)
+		}
+	}
+	w, err := workload.Load([]byte(`{"requests": [{"prompt": [1, 2], "max_new_tokens": 3, "rng_base": -1,
+		"stop_at_eos": false, "publish": 0}], "options": {"use_leases": false, "prefill_chunk": null}}`))
+	if err != nil || w.Requests[0].Opts.RngBase != math.MaxUint64 || !w.Requests[0].Opts.IgnoreEOS ||
+		!w.Requests[0].Opts.NoPublish || !w.Options.NoLeases || w.KillAfter != -1 {
+		t.Fatalf("%+v %v", w, err)
+	}
+	_ = sf.SF_SAMPLING_HOST
+}
