@@ -8,8 +8,10 @@ encode_events_into, decoded by decode_events); only the transport differs.
 They run in interleaved blocks so that drift in the machine hits all alike.
 
 Also measured: the same round trips with pre-encoded bytes and no codec
-("raw", the transport alone), the codec alone in one process, and the
-one-way rate of plan messages through the plan queue.
+("raw", the transport alone), the codec alone in one process, the
+one-way rate of plan messages through the plan queue, and (ring_worker.py)
+empty ticks through a real worker (`superfluid serve --fake`) from Python
+and from Rust, with the worker's own tick (TickTimings.wall_ns).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from superfluid.abi import Status, TickStatus, codec, ffi
+from superfluid.bench import ring_worker
 from superfluid.abi.records import TickEvents
 from superfluid.client import PlanBuilder
 from superfluid.engine.plan import decode_events, decode_plan, encode_events_into
@@ -517,13 +520,15 @@ def _measure(rounds: int, warmup: int, blocks: int, seconds: float, max_msgs: in
 
 def run(rounds: int = 10_000, *, warmup: int = 1_000, blocks: int = 10, seconds: float = 1.0,
         max_msgs: int = 10_000_000, spin_ns: int = DEFAULT_SPIN_NS, pin: bool = True,
-        codec_rounds: int = 2_000) -> dict[str, Any]:
+        codec_rounds: int = 2_000, worker_rounds: int = 10_000, rust: bool = True) -> dict[str, Any]:
     """Run the benchmark; the result as a JSON-able dict. `pin`: the client
     (this thread) on one CPU and the servers on another, when there are two;
     left to the scheduler, a spinning waiter may share a CPU with its peer
-    and hold it off until the spin runs out."""
-    if rounds < 1 or blocks < 1 or warmup < 0 or seconds <= 0 or max_msgs < 1:
-        raise ValueError("rounds, blocks and max_msgs must be >= 1, warmup >= 0, seconds > 0")
+    and hold it off until the spin runs out. `worker_rounds`: empty ticks
+    through a real worker from each of Python and Rust (0: none); `rust`:
+    the Rust row too."""
+    if rounds < 1 or blocks < 1 or warmup < 0 or seconds <= 0 or max_msgs < 1 or worker_rounds < 0:
+        raise ValueError("rounds, blocks and max_msgs must be >= 1, warmup and worker_rounds >= 0, seconds > 0")
     blocks = min(blocks, rounds)
     started = time.perf_counter()
     load = os.getloadavg()[0]
@@ -535,6 +540,8 @@ def run(rounds: int = 10_000, *, warmup: int = 1_000, blocks: int = 10, seconds:
         lat, raw_lat, n_msgs, flood_s = _measure(rounds, warmup, blocks, seconds, max_msgs, spin_ns,
                                                  cpus[1] if cpus else None)
         codec_us = _codec_costs(codec_rounds)
+        worker = (ring_worker.run(worker_rounds, warmup, rust=rust, client_cpu=cpus[0] if cpus else None,
+                                  worker_cpu=cpus[1] if cpus else None) if worker_rounds else None)
     finally:
         if mask is not None:
             os.sched_setaffinity(0, mask)
@@ -550,6 +557,8 @@ def run(rounds: int = 10_000, *, warmup: int = 1_000, blocks: int = 10, seconds:
         "raw_rtt_us": {name: _stats(v) for name, v in raw_lat.items()},
         # The codec steps of one round trip, in one process.
         "codec_us": codec_us,
+        # Empty ticks through a real worker (superfluid serve --fake): µs, as a planner sees them.
+        **(worker or ring_worker.skipped("worker_rounds = 0")),
         "n_round_trips": rounds,
         "warmup": warmup,
         "blocks": blocks,
@@ -586,6 +595,13 @@ def _table(r: dict[str, Any]) -> str:
                  f" = encode plan {c['encode_plan']:.2f}"
                  f" + decode plan {c['decode_plan']:.2f} + encode events {c['encode_events']:.2f}"
                  f" + decode events {c['decode_events']:.2f}")
+    if r["worker_rounds"]:
+        rust = (f"Rust p50 {r['worker_rt_rust_p50_us']:.2f} µs (p99 {r['worker_rt_rust_p99_us']:.2f}, worker tick"
+                f" {r['worker_tick_wall_rust_p50_us']:.2f})" if r["worker_rt_rust_p50_us"] is not None
+                else f"Rust skipped: {r['worker_rust_skipped']}")
+        lines.append(f"empty tick through a real worker ({r['worker_rounds']} each): Python p50"
+                     f" {r['worker_rt_python_p50_us']:.2f} µs (p99 {r['worker_rt_python_p99_us']:.2f}, worker tick"
+                     f" {r['worker_tick_wall_p50_us']:.2f}); {rust}")
     lines.append(f"{r['n_round_trips']} round trips per transport in {r['blocks']} interleaved blocks,"
                  f" spin {r['spin_us']:g} µs, {pinned}; Python {r['python']}, {r['cpu_count']} CPUs,"
                  f" load {r['loadavg_1m_before']}, {r['wall_s']} s")
@@ -616,8 +632,9 @@ def _positive_float(s: str) -> float:
 def _main(args: argparse.Namespace) -> int:
     try:
         result = run(args.rounds, warmup=args.warmup, blocks=args.blocks, seconds=args.seconds,
-                     spin_ns=int(args.spin_us * 1e3), pin=args.pin)
-    except BenchError as e:
+                     spin_ns=int(args.spin_us * 1e3), pin=args.pin, worker_rounds=args.worker_rounds,
+                     rust=args.rust)
+    except (BenchError, ring_worker.WorkerBenchError) as e:
         print(f"superfluid bench ring: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else _table(result))
@@ -638,6 +655,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="length of the plan-queue throughput run (default 1.0)")
     p.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_NS / 1e3,
                    help=f"queue waits spin this long before the futex (default {DEFAULT_SPIN_NS / 1e3:g})")
+    p.add_argument("--worker-rounds", type=_nonnegative_int, default=10_000,
+                   help="empty ticks through a real worker, from Python and from Rust (default 10000, 0 = none)")
+    p.add_argument("--no-rust", dest="rust", action="store_false",
+                   help="no Rust row (default: build client/rust's superfluid-bench with cargo, offline)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave CPU placement to the scheduler (default: client and servers on two CPUs)")
     p.set_defaults(func=_main)
