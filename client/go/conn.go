@@ -29,7 +29,6 @@ type Conn struct {
 	Path    string
 	Epoch   uint64 // the worker's, as of the last (re)connect
 	Session uint64 // stamped on every plan and op
-	Timeout time.Duration
 
 	file *os.File
 	mem  []byte
@@ -68,7 +67,6 @@ func Connect(name string, index int, timeout time.Duration) (*Conn, error) {
 	for {
 		c, err := open(path)
 		if err == nil {
-			c.Timeout = timeout
 			if err = c.begin(deadline); err != nil {
 				c.Close()
 				return nil, err

@@ -17,7 +17,7 @@ from superfluid.abi import gen_go
 GO_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "client", "go")
 CODEC = "/usr/share/gocode/src/github.com/ugorji/go/codec"
 # Top-level tests and subtests of `go test -v ./...` (each prints one "--- PASS").
-EXPECTED_PASSES = 21
+EXPECTED_PASSES = 23
 
 
 def test_the_go_copies_match_abi():
@@ -34,6 +34,8 @@ def test_go_test_against_live_daemons(tmp_path):
     env = dict(os.environ, SUPERFLUID_PYTHON=sys.executable, GOCACHE=str(tmp_path / "cache"),
                GOPATH=str(tmp_path / "gopath"), GOPROXY="off", GOSUMDB="off", GOFLAGS="", GOTOOLCHAIN="local",
                CGO_ENABLED="1")
+    vet = subprocess.run([go, "vet", "./..."], cwd=GO_DIR, env=env, capture_output=True, text=True, timeout=600)
+    assert vet.returncode == 0, vet.stdout[-4000:] + vet.stderr[-4000:]  # layout_gen.go's asserts included
     r = subprocess.run([go, "test", "-v", "-count=1", "-timeout", "800s", "./..."], cwd=GO_DIR, env=env,
                        capture_output=True, text=True, timeout=850)
     out = r.stdout + r.stderr
