@@ -10,7 +10,7 @@ Beside them, from the layout the compiler gave cffi:
 
 - records_gen.go: every wire record as a Go struct with exported fields (the
   safe API hands these out; a C struct's fields are invisible outside its
-  package), and every SF_* integer constant;
+  package); consts_gen.go: every SF_* integer constant;
 - layout_gen.go: compile-time asserts, through cgo, that each Go struct has
   the size and field offsets of the C struct in the copied header, and each
   constant the header's value. A header change the Go side missed fails
@@ -63,13 +63,16 @@ def _constants() -> list[tuple[str, int]]:
     return sorted((n, getattr(lib, n)) for n in dir(lib) if n.startswith("SF_") and isinstance(getattr(lib, n), int))
 
 
+def consts_source() -> str:
+    out = [_HEAD, "package superfluid\n", "// The SF_* integer constants of superfluid.h.", "const ("]
+    out += _aligned([(n, f"= {v:#x}") for n, v in _constants()])
+    out.append(")\n")
+    return "\n".join(out)
+
+
 def records_source() -> str:
     out = [_HEAD, "package superfluid\n",
            "// The records of superfluid.h, field for field (see the header for what each means).\n"]
-    consts = _constants()
-    out.append("const (")
-    out += _aligned([(n, f"= {v:#x}") for n, v in consts])
-    out.append(")\n")
     for rec in RECORDS:
         out.append(f"type {rec} struct {{")
         out += _aligned([(go_field(n), _go_type(f.type)) for n, f in ffi.typeof(rec).fields])
@@ -109,6 +112,7 @@ def _copy(name: str):
 
 
 FILES = {os.path.join(GO_DIR, n): _copy(n) for n in COPIES}
+FILES[os.path.join(GO_DIR, "consts_gen.go")] = consts_source
 FILES[os.path.join(GO_DIR, "records_gen.go")] = records_source
 FILES[os.path.join(GO_DIR, "layout_gen.go")] = layout_source
 
