@@ -226,29 +226,35 @@ type Stats struct {
 
 // Run runs the workload on a connected worker (client/workload.py's run).
 func Run(c *superfluid.Conn, w *Workload, timeout time.Duration) (*Output, error) {
+	out, _, err := RunReport(c, w, timeout)
+	return out, err
+}
+
+// RunReport is Run with the planner's whole report (replans, preemptions, ...).
+func RunReport(c *superfluid.Conn, w *Workload, timeout time.Duration) (*Output, *superfluid.Report, error) {
 	o := w.Options
 	o.ReconnectTimeout = timeout
 	p, err := superfluid.NewPlanner(c, o)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	for _, r := range w.Requests {
 		if _, err := p.Submit(r.Prompt, r.MaxNewTokens, r.Opts); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	killed := false
 	deadline := time.Now().Add(timeout)
 	for p.Busy() {
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("the workload is still running after %v", timeout)
+			return nil, nil, fmt.Errorf("the workload is still running after %v", timeout)
 		}
 		if err := p.Step(p.Opts.TickTimeout); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if w.KillAfter >= 0 && !killed && generated(p) >= w.KillAfter {
 			if err := syscall.Kill(c.WorkerPID(), syscall.SIGKILL); err != nil {
-				return nil, fmt.Errorf("kill the worker: %w", err)
+				return nil, nil, fmt.Errorf("kill the worker: %w", err)
 			}
 			killed = true
 		}
@@ -267,7 +273,7 @@ func Run(c *superfluid.Conn, w *Workload, timeout time.Duration) (*Output, error
 		}
 		out.Results = append(out.Results, res)
 	}
-	return out, nil
+	return out, rep, nil
 }
 
 func generated(p *superfluid.Planner) int {

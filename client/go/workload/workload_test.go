@@ -215,6 +215,36 @@ func TestTinyModelTokensMatchPythonPlanner(t *testing.T) {
 	compareWithPython(t, d)
 }
 
+// A worker too small for the requests at once: NeedsReplan, fewer admits,
+// a preemption; the same results as the Python planner's, admissions too.
+func TestMemoryPressureMatchesPythonPlanner(t *testing.T) {
+	d := livetest.Serve(t, "--fake", "--kv-cells", "64", "--page", "4")
+	var reqs []map[string]any
+	for i := 0; i < 6; i++ {
+		reqs = append(reqs, map[string]any{"prompt": with([]int{10 + i}, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21),
+			"max_new_tokens": 12, "stop_at_eos": false, "sampling": "sample",
+			"params": map[string]any{"temperature": 0.7}, "rng_base": i})
+	}
+	w := map[string]any{"requests": reqs}
+	want := d.PythonPlan(t, w)
+	b, _ := json.Marshal(w)
+	wl, err := workload.Load(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := d.Connect(t)
+	got, rep, err := workload.RunReport(c, wl, T)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Stats.Replans == 0 || rep.Stats.Preemptions == 0 { // negative control: memory was short
+		t.Fatalf("no NeedsReplan, no preemption: %+v", rep.Stats)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("go %s\npython %s", got.JSON(), want.JSON())
+	}
+}
+
 func TestLoadRefusesABadWorkload(t *testing.T) {
 	for src, msg := range map[string]string{
 		`[]`:                                    "a workload is a JSON object",
