@@ -58,7 +58,7 @@ def rust_source() -> str:
     out.append("")
     for rec in RECORDS:
         t = ffi.typeof(rec)
-        out.append(f"#[derive(Clone, Copy)]\n#[repr(C)]\npub struct {rec} {{")
+        out.append(f"#[derive(Clone, Copy, Debug)]\n#[repr(C)]\npub struct {rec} {{")
         for fname, f in t.fields:
             out.append(f"    pub {fname}: {_rust_type(f.type)},")
         out.append("}")

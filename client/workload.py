@@ -133,8 +133,10 @@ def run(client: Client, workload: dict, timeout: float = 300.0) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the workload is still running after {timeout}s")
         planner.step(planner.tick_timeout)
-        if kill_at is not None and not killed and sum(len(r.generated) for r in planner.requests.values()) >= kill_at:
-            os.kill(int(client.seg.header.worker_pid), signal.SIGKILL)
+        pid = int(client.seg.header.worker_pid)  # 0 while the daemon starts one: kill(0) would hit our group
+        if kill_at is not None and not killed and pid > 0 and \
+                sum(len(r.generated) for r in planner.requests.values()) >= kill_at:
+            os.kill(pid, signal.SIGKILL)
             killed = True
     rep = planner.report()
     s = rep.stats

@@ -21,6 +21,10 @@ func (c *Conn) WritePrompt(tokens []uint32) (RingRef, error) {
 
 // ReadTokens copies the tokens a reference of the token ring points at.
 func (c *Conn) ReadTokens(ref RingRef) ([]uint32, error) {
+	// The worker wrote ref: check it before allocating for it.
+	if ref.Len > uint64(c.v.tokens.capacity) {
+		return nil, &BoundsError{fmt.Sprintf("a token reference of %d elements", ref.Len)}
+	}
 	out := make([]uint32, ref.Len)
 	if ref.Len == 0 {
 		return out, nil
@@ -35,6 +39,10 @@ func (c *Conn) ReadTokens(ref RingRef) ([]uint32, error) {
 func (c *Conn) Tokens(e *LaneEmit) ([]uint32, error) {
 	if e.NTokens == 0 {
 		return nil, nil
+	}
+	if uint64(e.NTokens) != e.TokenRef.Len {
+		return nil, &BoundsError{fmt.Sprintf("lane %d: n_tokens %d but a reference of %d", e.LaneTag, e.NTokens,
+			e.TokenRef.Len)}
 	}
 	return c.ReadTokens(e.TokenRef)
 }

@@ -92,6 +92,10 @@ func (b *SeedBook) Lease(tokens []uint32, timeout time.Duration) (*Seed, error) 
 	if err != nil {
 		return nil, err
 	}
+	if s.Value > uint64(len(asked)) { // a lease on more than was asked is the worker's error: do without it
+		b.Misses++
+		return nil, nil
+	}
 	b.Leases++
 	return &s, nil
 }

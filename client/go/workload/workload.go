@@ -252,7 +252,8 @@ func RunReport(c *superfluid.Conn, w *Workload, timeout time.Duration) (*Output,
 		if err := p.Step(p.Opts.TickTimeout); err != nil {
 			return nil, nil, err
 		}
-		if w.KillAfter >= 0 && !killed && generated(p) >= w.KillAfter {
+		// pid 0 while the daemon starts a worker: kill(0) would hit our own group.
+		if w.KillAfter >= 0 && !killed && c.WorkerPID() > 0 && generated(p) >= w.KillAfter {
 			if err := syscall.Kill(c.WorkerPID(), syscall.SIGKILL); err != nil {
 				return nil, nil, fmt.Errorf("kill the worker: %w", err)
 			}

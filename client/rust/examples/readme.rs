@@ -14,7 +14,7 @@ fn main() -> Result<(), superfluid::Error> {
     let sampled = planner.submit(spec)?;
     planner.run_until_done(Duration::from_secs(60))?;
     for id in [greedy, sampled] {
-        let r = &planner.requests[id];
+        let r = planner.request(id);
         println!("request {id}: {:?} ({})", r.generated, r.finish.map_or("running", |f| f.as_str()));
     }
     Ok(())

@@ -127,7 +127,7 @@ pub const SF_WORKER_STARTING: u32 = 0x1;
 pub const SF_WORKER_STOPPED: u32 = 0x4;
 pub const SF_WORKER_STOPPING: u32 = 0x3;
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct RingRef {
     pub ring_id: u32,
@@ -141,7 +141,7 @@ const _: () = assert!(offset_of!(RingRef, generation) == 4);
 const _: () = assert!(offset_of!(RingRef, offset) == 8);
 const _: () = assert!(offset_of!(RingRef, len) == 16);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct Span {
     pub offset: u32,
@@ -151,7 +151,7 @@ const _: () = assert!(size_of::<Span>() == 8);
 const _: () = assert!(offset_of!(Span, offset) == 0);
 const _: () = assert!(offset_of!(Span, count) == 4);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct MsgHeader {
     pub kind: u32,
@@ -165,7 +165,7 @@ const _: () = assert!(offset_of!(MsgHeader, record_bytes) == 4);
 const _: () = assert!(offset_of!(MsgHeader, arena_bytes) == 8);
 const _: () = assert!(offset_of!(MsgHeader, session) == 16);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct SamplingParams {
     pub temperature: f32,
@@ -187,7 +187,7 @@ const _: () = assert!(offset_of!(SamplingParams, presence_penalty) == 20);
 const _: () = assert!(offset_of!(SamplingParams, freq_penalty) == 24);
 const _: () = assert!(offset_of!(SamplingParams, flags) == 28);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneAdmit {
     pub lane_tag: u64,
@@ -219,7 +219,7 @@ const _: () = assert!(offset_of!(LaneAdmit, grammar_replay) == 108);
 const _: () = assert!(offset_of!(LaneAdmit, determinism_class) == 112);
 const _: () = assert!(offset_of!(LaneAdmit, want_logprobs) == 116);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LanePrefill {
     pub lane_tag: u64,
@@ -231,7 +231,7 @@ const _: () = assert!(offset_of!(LanePrefill, lane_tag) == 0);
 const _: () = assert!(offset_of!(LanePrefill, token_offset) == 8);
 const _: () = assert!(offset_of!(LanePrefill, token_count) == 12);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneDecode {
     pub lane_tag: u64,
@@ -245,7 +245,7 @@ const _: () = assert!(offset_of!(LaneDecode, max_new_tokens) == 8);
 const _: () = assert!(offset_of!(LaneDecode, overshoot) == 10);
 const _: () = assert!(offset_of!(LaneDecode, _pad0) == 12);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneCommit {
     pub lane_tag: u64,
@@ -259,7 +259,7 @@ const _: () = assert!(offset_of!(LaneCommit, token_id) == 8);
 const _: () = assert!(offset_of!(LaneCommit, _pad0) == 12);
 const _: () = assert!(offset_of!(LaneCommit, logits_nonce) == 16);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneRetire {
     pub lane_tag: u64,
@@ -271,7 +271,7 @@ const _: () = assert!(offset_of!(LaneRetire, lane_tag) == 0);
 const _: () = assert!(offset_of!(LaneRetire, publish_to_cache) == 8);
 const _: () = assert!(offset_of!(LaneRetire, _pad0) == 9);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct TickPlan {
     pub struct_size: u64,
@@ -307,7 +307,7 @@ const _: () = assert!(offset_of!(TickPlan, retires) == 80);
 const _: () = assert!(offset_of!(TickPlan, on_partial_emit) == 88);
 const _: () = assert!(offset_of!(TickPlan, partial_emit_user) == 96);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct AdmitResult {
     pub lane_tag: u64,
@@ -323,7 +323,7 @@ const _: () = assert!(offset_of!(AdmitResult, reject_code) == 12);
 const _: () = assert!(offset_of!(AdmitResult, cert_id) == 16);
 const _: () = assert!(offset_of!(AdmitResult, granted_class) == 20);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct SpecStats {
     pub proposed: u32,
@@ -337,7 +337,7 @@ const _: () = assert!(offset_of!(SpecStats, accepted) == 4);
 const _: () = assert!(offset_of!(SpecStats, cert_id_in_effect) == 8);
 const _: () = assert!(offset_of!(SpecStats, _pad0) == 12);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneEmit {
     pub lane_tag: u64,
@@ -357,7 +357,7 @@ const _: () = assert!(offset_of!(LaneEmit, logits_row) == 40);
 const _: () = assert!(offset_of!(LaneEmit, logits_nonce) == 64);
 const _: () = assert!(offset_of!(LaneEmit, spec) == 72);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneFault {
     pub lane_tag: u64,
@@ -371,7 +371,7 @@ const _: () = assert!(offset_of!(LaneFault, code) == 8);
 const _: () = assert!(offset_of!(LaneFault, _pad0) == 12);
 const _: () = assert!(offset_of!(LaneFault, detail) == 16);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct ShedEntry {
     pub lane_tag: u64,
@@ -387,7 +387,7 @@ const _: () = assert!(offset_of!(ShedEntry, reason) == 12);
 const _: () = assert!(offset_of!(ShedEntry, bytes) == 16);
 const _: () = assert!(offset_of!(ShedEntry, tokens) == 24);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct ShedReport {
     pub prefill_chunks_dropped: u32,
@@ -401,7 +401,7 @@ const _: () = assert!(offset_of!(ShedReport, evictions_performed) == 4);
 const _: () = assert!(offset_of!(ShedReport, bytes_evicted) == 8);
 const _: () = assert!(offset_of!(ShedReport, entries) == 16);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct OpCompletion {
     pub op_id: u64,
@@ -419,7 +419,7 @@ const _: () = assert!(offset_of!(OpCompletion, handle) == 16);
 const _: () = assert!(offset_of!(OpCompletion, value) == 24);
 const _: () = assert!(offset_of!(OpCompletion, payload) == 32);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct TickTimings {
     pub wall_ns: u64,
@@ -435,7 +435,7 @@ const _: () = assert!(offset_of!(TickTimings, decode_ns) == 16);
 const _: () = assert!(offset_of!(TickTimings, graph_hits) == 24);
 const _: () = assert!(offset_of!(TickTimings, graph_misses) == 28);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct TickMemCounters {
     pub allocated_bytes: u64,
@@ -453,7 +453,7 @@ const _: () = assert!(offset_of!(TickMemCounters, pool_blocks_used) == 24);
 const _: () = assert!(offset_of!(TickMemCounters, pool_bytes_evictable) == 32);
 const _: () = assert!(offset_of!(TickMemCounters, tentative_bytes) == 40);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LaneLogprob {
     pub lane_tag: u64,
@@ -473,7 +473,7 @@ const _: () = assert!(offset_of!(LaneLogprob, index) == 20);
 const _: () = assert!(offset_of!(LaneLogprob, top_ids) == 24);
 const _: () = assert!(offset_of!(LaneLogprob, top_logprobs) == 104);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct TickEvents {
     pub struct_size: u64,
@@ -507,7 +507,7 @@ const _: () = assert!(offset_of!(TickEvents, timings) == 96);
 const _: () = assert!(offset_of!(TickEvents, mem) == 128);
 const _: () = assert!(offset_of!(TickEvents, worker_epoch) == 176);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct OpEvents {
     pub struct_size: u64,
@@ -519,7 +519,7 @@ const _: () = assert!(offset_of!(OpEvents, struct_size) == 0);
 const _: () = assert!(offset_of!(OpEvents, worker_epoch) == 8);
 const _: () = assert!(offset_of!(OpEvents, op_completions) == 16);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct QueueReset {
     pub struct_size: u64,
@@ -539,7 +539,7 @@ const _: () = assert!(offset_of!(QueueReset, head) == 24);
 const _: () = assert!(offset_of!(QueueReset, tail) == 32);
 const _: () = assert!(offset_of!(QueueReset, reset_to) == 40);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct PartialEmit {
     pub plan_seq: u64,
@@ -553,7 +553,7 @@ const _: () = assert!(offset_of!(PartialEmit, lane_tag) == 8);
 const _: () = assert!(offset_of!(PartialEmit, token_id) == 16);
 const _: () = assert!(offset_of!(PartialEmit, index) == 20);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct WorkerNotice {
     pub struct_size: u64,
@@ -571,7 +571,7 @@ const _: () = assert!(offset_of!(WorkerNotice, exit_status) == 20);
 const _: () = assert!(offset_of!(WorkerNotice, restarts) == 24);
 const _: () = assert!(offset_of!(WorkerNotice, _pad0) == 28);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct RuntimeDesc {
     pub runtime_id: [u8; 32],
@@ -593,7 +593,7 @@ const _: () = assert!(offset_of!(RuntimeDesc, page) == 52);
 const _: () = assert!(offset_of!(RuntimeDesc, prefill_step_tokens) == 56);
 const _: () = assert!(offset_of!(RuntimeDesc, flags) == 60);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct Queue {
     pub head: u64,
@@ -617,7 +617,7 @@ const _: () = assert!(offset_of!(Queue, n_slots) == 136);
 const _: () = assert!(offset_of!(Queue, slot_bytes) == 140);
 const _: () = assert!(offset_of!(Queue, _pad2) == 144);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct DataRing {
     pub head: u64,
@@ -637,7 +637,7 @@ const _: () = assert!(offset_of!(DataRing, elem_bytes) == 68);
 const _: () = assert!(offset_of!(DataRing, capacity) == 72);
 const _: () = assert!(offset_of!(DataRing, _pad1) == 80);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct SegmentLayout {
     pub plan_queue: u64,
@@ -659,7 +659,7 @@ const _: () = assert!(offset_of!(SegmentLayout, token_ring) == 40);
 const _: () = assert!(offset_of!(SegmentLayout, logits_ring) == 48);
 const _: () = assert!(offset_of!(SegmentLayout, _reserved0) == 56);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct WorkerCounters {
     pub ticks: u64,
@@ -697,7 +697,7 @@ const _: () = assert!(offset_of!(WorkerCounters, stale_messages) == 96);
 const _: () = assert!(offset_of!(WorkerCounters, queue_resets) == 104);
 const _: () = assert!(offset_of!(WorkerCounters, _reserved) == 112);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct SegmentHeader {
     pub magic: u64,
@@ -755,7 +755,7 @@ const _: () = assert!(offset_of!(SegmentHeader, runtime) == 320);
 const _: () = assert!(offset_of!(SegmentHeader, layout) == 384);
 const _: () = assert!(offset_of!(SegmentHeader, counters) == 448);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct QueueView {
     pub q: *mut Queue,
@@ -769,7 +769,7 @@ const _: () = assert!(offset_of!(QueueView, slots) == 8);
 const _: () = assert!(offset_of!(QueueView, n_slots) == 16);
 const _: () = assert!(offset_of!(QueueView, slot_bytes) == 20);
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct RingView {
     pub r: *mut DataRing,

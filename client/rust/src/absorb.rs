@@ -45,7 +45,8 @@ impl Planner {
         for tag in &d.commits {
             self.lane_mut(*tag).unwrap().commit = None;
         }
-        self.absorb_shed(ev);
+        let offers = d.prefills.iter().copied().collect();
+        self.absorb_shed(ev, &offers)?;
         self.absorb_faults(ev);
         for emit in &ev.emits {
             self.absorb_emit(emit)?;
@@ -54,10 +55,16 @@ impl Planner {
     }
 
     /// A shed PREFILL_CHUNK says where the executor really stopped.
-    fn absorb_shed(&mut self, ev: &Events) {
+    fn absorb_shed(&mut self, ev: &Events, d_offers: &std::collections::HashMap<u64, usize>) -> Result<(), Error> {
         for e in &ev.shed.entries {
             if e.kind == SF_SHED_PREFILL_CHUNK {
                 if let Some(lane) = self.lane_mut(e.lane_tag) {
+                    // At most what this tick offered it: the worker's count is checked, not trusted.
+                    let offered = *d_offers.get(&e.lane_tag).unwrap_or(&0);
+                    if e.tokens as usize > offered {
+                        return Err(Error::Bounds(format!("lane {}: {} prefill tokens shed of {offered} offered",
+                                                         e.lane_tag, e.tokens)));
+                    }
                     lane.prefilled -= e.tokens as usize;
                 }
                 self.stats.prefill_chunks_shed += 1;
@@ -67,6 +74,7 @@ impl Planner {
                 self.stats.bytes_evicted += e.bytes;
             }
         }
+        Ok(())
     }
 
     /// A faulted lane's sequence is gone: retire its tag and re-admit the
@@ -94,7 +102,7 @@ impl Planner {
         let host = self.requests[id].spec.sampling == SF_SAMPLING_HOST;
         let mut row = None;
         let tokens: Vec<u32> = if !host {
-            self.conn.read_tokens(&emit.token_ref)?
+            self.conn.emit_tokens(emit)?
         } else if emit.logits_nonce != 0 {
             // The draw at rng position rng_base + tokens sampled so far.
             let mut r = self.conn.logits_row(emit)?;

@@ -27,8 +27,8 @@ pub struct Connection {
     file: File,
     base: *mut u8,
     len: usize,
-    pub epoch: u64,
-    pub session: u64,
+    pub(crate) epoch: u64,
+    pub(crate) session: u64,
     next_seq: u64,
     pub(crate) next_op: u64,
     lanes_made: u64,
@@ -42,6 +42,9 @@ pub struct Connection {
     orphans: HashSet<u64>,  // lanes a stale plan admitted on the new worker
     early: Vec<Message>,    // a newer epoch's messages, read before the reconnect
     gone: bool,
+    /// Event messages that did not decode (dropped), and why the last one.
+    pub dropped: u64,
+    pub last_dropped: Option<String>,
     /// Queue resets the worker reported (it found counters impossible).
     pub queue_resets: Vec<QueueReset>,
     prompt: RingView,
@@ -57,18 +60,47 @@ fn wait_error(r: i64, what: &'static str) -> Error {
     if r == SF_WAIT_TIMEOUT as i64 { Error::Timeout(what) } else { Error::WorkerGone }
 }
 
+/// Nanoseconds for the C waits (< 0 would mean "no timeout": saturate instead).
+pub(crate) fn ns(d: Duration) -> i64 {
+    d.as_nanos().min(i64::MAX as u128) as i64
+}
+
+/// `now + d`, saturating (Duration::MAX means "as long as it takes").
+pub(crate) fn deadline(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d).unwrap_or(now + Duration::from_secs(100 * 365 * 86_400))
+}
+
 impl Connection {
-    /// Worker `index` of daemon `name`: checked, taken, READY, in a new session.
+    /// Worker `index` of daemon `name`: checked, taken, READY, in a new
+    /// session. Waits up to `timeout` for a segment the daemon is still
+    /// making (absent, or its magic not written yet); refuses at once one
+    /// that is wrong (another ABI, owner or size).
     pub fn connect(name: &str, index: u32, timeout: Duration) -> Result<Connection, Error> {
+        let until = deadline(timeout);
+        loop {
+            match Self::open(name, index, timeout) {
+                Ok(c) => return Ok(c),
+                Err((_, true)) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+
+    /// One try at connect; the error says whether trying again may help.
+    fn open(name: &str, index: u32, timeout: Duration) -> Result<Connection, (Error, bool)> {
         let path = format!("{}/superfluid.{}.{}", shm_dir(), name, index);
-        let seg = |e: String| Error::Segment(format!("{path}: {e}"));
+        let seg = |e: String| (Error::Segment(format!("{path}: {e}")), false);
         let file = OpenOptions::new().read(true).write(true).custom_flags(O_NOFOLLOW).open(&path)
-            .map_err(|e| seg(e.to_string()))?;
+            .map_err(|e| (Error::Segment(format!("{path}: {e}")), e.kind() == std::io::ErrorKind::NotFound))?;
         let meta = file.metadata().map_err(|e| seg(e.to_string()))?;
         if meta.uid() != unsafe { geteuid() } || meta.mode() & 0o077 != 0 {
             return Err(seg("not a mode-0600 file of this user".into()));
         }
         let len = meta.len() as usize;
+        if len < core::mem::size_of::<SegmentHeader>() {
+            return Err((Error::Segment(format!("{path}: {len} bytes, not a whole segment yet")), true));
+        }
         let base = unsafe { mmap(core::ptr::null_mut(), len, PROT_RW, MAP_SHARED, file.as_raw_fd(), 0) };
         if base as isize == -1 {
             return Err(seg("mmap failed".into()));
@@ -79,23 +111,30 @@ impl Connection {
             plans: unsafe { core::mem::zeroed() }, events: unsafe { core::mem::zeroed() },
             ops: unsafe { core::mem::zeroed() }, ready: VecDeque::new(), completions: HashMap::new(),
             inflight: HashSet::new(), stale: HashSet::new(), orphans: HashSet::new(), early: Vec::new(),
-            gone: false, queue_resets: Vec::new(),
+            gone: false, dropped: 0, last_dropped: None, queue_resets: Vec::new(),
             prompt: unsafe { core::mem::zeroed() }, tokens: unsafe { core::mem::zeroed() },
             logits: unsafe { core::mem::zeroed() },
         };
         let h = c.header();
         let check = unsafe { sf_segment_check(h, len as u64) };
         if check != SF_CONNECT_OK as i32 {
-            return Err(seg(format!("sf_segment_check says {check} (SF_CONNECT_*)")));
+            // SHORT and MAGIC: the daemon has not finished making it (the magic goes last).
+            let making = check == SF_CONNECT_SHORT as i32 || check == SF_CONNECT_MAGIC as i32;
+            return Err((Error::Segment(format!("{path}: sf_segment_check says {check} (SF_CONNECT_*)")), making));
         }
         match unsafe { sf_session_lock(c.file.as_raw_fd()) } {
             0 => {}
-            r if r == -EWOULDBLOCK => return Err(Error::Taken),
+            r if r == -EWOULDBLOCK => return Err((Error::Taken, false)),
             r => return Err(seg(format!("lock failed ({r})"))),
         }
         let layout = unsafe { (*h).layout };
+        let offs = [layout.plan_queue, layout.event_queue, layout.op_queue, layout.prompt_ring, layout.token_ring,
+                    layout.logits_ring];
+        if offs.iter().any(|&o| o >= len as u64 || o % SF_CACHE_LINE as u64 != 0) {
+            return Err(seg("a queue or ring offset outside the segment or off a cache line".into()));
+        }
         unsafe {
-            let at = |off: u64| (c.base.add(off as usize) as *mut c_void, (len as u64).saturating_sub(off));
+            let at = |off: u64| (c.base.add(off as usize) as *mut c_void, len as u64 - off);
             let (q, n) = at(layout.plan_queue);
             let (e, m) = at(layout.event_queue);
             let (o, on) = at(layout.op_queue);
@@ -110,27 +149,55 @@ impl Connection {
             }
         }
         let mut epoch = 0u64;
-        let r = unsafe { sf_wait_ready(h, 0, timeout.as_nanos() as i64, &mut epoch) };
+        let r = unsafe { sf_wait_ready(h, 0, ns(timeout), &mut epoch) };
         if r != SF_WAIT_READY as i32 {
-            return Err(wait_error(r as i64, "READY"));
+            return Err((c.not_ready(r), false));
         }
         c.epoch = epoch;
         c.session = unsafe { sf_session_begin(h) };
         Ok(c)
     }
 
+    /// The worker epoch this connection talks to.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// This connection's session (MsgHeader.session of its messages).
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
     pub(crate) fn header(&self) -> *mut SegmentHeader {
         self.base as *mut SegmentHeader
     }
 
-    /// The worker process serving now (the header's report).
+    /// The worker process serving now (the header's report; 0 while none runs).
     pub fn worker_pid(&self) -> u32 {
-        unsafe { sf_load_acquire_u32(&mut (*self.header()).worker_pid) }
+        // Raw pointers, never references: other processes write these words.
+        unsafe { sf_load_acquire_u32(core::ptr::addr_of_mut!((*self.header()).worker_pid)) }
+    }
+
+    fn worker_state(&self) -> u32 {
+        unsafe { sf_load_acquire_u32(core::ptr::addr_of_mut!((*self.header()).worker_state)) }
     }
 
     /// What the runtime can do (the header's copy of the worker's RuntimeDesc).
     pub fn runtime(&self) -> RuntimeDesc {
-        unsafe { core::ptr::read_volatile(&(*self.header()).runtime) }
+        unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*self.header()).runtime)) }
+    }
+
+    /// Why a wait for READY ended without one: the daemon stopped, the
+    /// worker was given up, or a timeout.
+    fn not_ready(&self, r: i32) -> Error {
+        let h = self.header();
+        let stop = unsafe { sf_load_acquire_u32(core::ptr::addr_of_mut!((*h).stop_requested)) };
+        match self.worker_state() {
+            SF_WORKER_GAVE_UP => Error::DaemonGone { gave_up: true },
+            _ if stop != 0 || r == SF_WAIT_STOP as i32 => Error::DaemonGone { gave_up: false },
+            _ if r == SF_WAIT_TIMEOUT as i32 => Error::Timeout("READY"),
+            _ => Error::DaemonGone { gave_up: false },
+        }
     }
 
     /// After WorkerGone: wait for the next READY worker and talk to it in
@@ -140,9 +207,9 @@ impl Connection {
     /// come back from take_orphans().
     pub fn reconnect(&mut self, timeout: Duration) -> Result<u64, Error> {
         let mut epoch = 0u64;
-        let r = unsafe { sf_wait_ready(self.header(), self.epoch, timeout.as_nanos() as i64, &mut epoch) };
+        let r = unsafe { sf_wait_ready(self.header(), self.epoch, ns(timeout), &mut epoch) };
         if r != SF_WAIT_READY as i32 {
-            return Err(wait_error(r as i64, "READY"));
+            return Err(self.not_ready(r));
         }
         self.epoch = epoch;
         self.gone = false;
@@ -180,6 +247,11 @@ impl Connection {
     }
 
     fn read_ring<T: Copy + Default>(view: &RingView, r: &RingRef) -> Result<Vec<T>, Error> {
+        // The worker wrote r: check it before allocating for it.
+        if r.len > view.capacity {
+            return Err(Error::Bounds(format!("ring {} reference of {} elements, the ring holds {}", r.ring_id, r.len,
+                                             view.capacity)));
+        }
         let mut out = vec![T::default(); r.len as usize];
         let st = unsafe { sf_ring_read(view as *const RingView as *mut RingView, r as *const RingRef as *mut RingRef, out.as_mut_ptr() as *mut c_void, out.len() as u64) };
         if st != SF_STATUS_OK {
@@ -188,15 +260,32 @@ impl Connection {
         Ok(out)
     }
 
-    /// The tokens an emit points at (read them before the ring wraps).
+    /// Tokens a reference points at (read them before the ring wraps).
     pub fn read_tokens(&self, r: &RingRef) -> Result<Vec<u32>, Error> {
         Self::read_ring(&self.tokens, r)
+    }
+
+    /// The tokens an emit carries (none for HOST lanes and replays).
+    pub fn emit_tokens(&self, emit: &LaneEmit) -> Result<Vec<u32>, Error> {
+        if emit.n_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        if emit.n_tokens as u64 != emit.token_ref.len {
+            return Err(Error::Bounds(format!("lane {}: n_tokens {} but a reference of {}", emit.lane_tag,
+                                             emit.n_tokens, emit.token_ref.len)));
+        }
+        self.read_tokens(&emit.token_ref)
     }
 
     /// A HOST lane's logits row (vocab_size f32) and what commits a token for it.
     pub fn logits_row(&self, emit: &LaneEmit) -> Result<LogitsRow, Error> {
         if emit.logits_nonce == 0 {
             return Err(Error::Bounds(format!("lane {}: this emit carries no logits row", emit.lane_tag)));
+        }
+        let vocab = self.runtime().vocab_size as u64;
+        if emit.logits_row.len != vocab {
+            return Err(Error::Bounds(format!("lane {}: a logits row of {} values, vocab_size is {vocab}",
+                                             emit.lane_tag, emit.logits_row.len)));
         }
         Ok(LogitsRow { lane_tag: emit.lane_tag, nonce: emit.logits_nonce, row: Self::read_ring(&self.logits, &emit.logits_row)? })
     }
@@ -205,6 +294,9 @@ impl Connection {
     pub fn submit(&mut self, plan: &Plan, timeout: Duration) -> Result<u64, Error> {
         self.check()?;
         let seq = if plan.plan_seq == 0 { self.next_seq } else { plan.plan_seq };
+        if seq < self.next_seq {
+            return Err(Error::Bounds(format!("plan_seq {seq}: this session has sent up to {}", self.next_seq - 1)));
+        }
         if seq > SF_PLAN_SEQ_MAX {
             return Err(Error::Bounds(format!("plan_seq {seq} is past SF_PLAN_SEQ_MAX")));
         }
@@ -213,7 +305,7 @@ impl Connection {
             return Err(Error::Bounds(format!("a plan of {} bytes does not fit a plan slot", msg.len())));
         }
         let h = self.header();
-        let i = unsafe { sf_queue_wait_reserve(&mut self.plans, h, self.epoch, 0, timeout.as_nanos() as i64, SPIN_NS) };
+        let i = unsafe { sf_queue_wait_reserve(&mut self.plans, h, self.epoch, 0, ns(timeout), SPIN_NS) };
         if i < 0 {
             return Err(wait_error(-i, "plan queue room"));
         }
@@ -230,28 +322,30 @@ impl Connection {
     /// The next TickEvents of this session (a rejected plan is events too:
     /// look at `status`, or call `.ok()`).
     pub fn wait_events(&mut self, timeout: Duration) -> Result<Events, Error> {
-        let deadline = Instant::now() + timeout;
+        let until = deadline(timeout);
         loop {
             if let Some(ev) = self.ready.pop_front() {
                 return Ok(ev);
             }
-            self.pump(deadline)?;
+            self.pump(until)?;
         }
     }
 
-    /// Submit and wait for that plan's events.
+    /// Submit and wait, `timeout` in all, for that plan's events; events of
+    /// other plans stay for wait_events.
     pub fn tick(&mut self, plan: &Plan, timeout: Duration) -> Result<Events, Error> {
+        let until = deadline(timeout);
         let seq = self.submit(plan, timeout)?;
         loop {
-            let ev = self.wait_events(timeout)?;
-            if ev.plan_seq == seq {
-                return Ok(ev);
+            if let Some(k) = self.ready.iter().position(|e| e.plan_seq == seq) {
+                return Ok(self.ready.remove(k).unwrap());
             }
+            self.pump(until)?;
         }
     }
 
     fn check(&self) -> Result<(), Error> {
-        let epoch = unsafe { sf_load_acquire_u64(&mut (*self.header()).worker_epoch) };
+        let epoch = unsafe { sf_load_acquire_u64(core::ptr::addr_of_mut!((*self.header()).worker_epoch)) };
         if self.gone || epoch != self.epoch { Err(Error::WorkerGone) } else { Ok(()) }
     }
 
@@ -259,7 +353,7 @@ impl Connection {
     pub(crate) fn pump(&mut self, deadline: Instant) -> Result<(), Error> {
         self.check()?;
         let h = self.header();
-        let left = deadline.saturating_duration_since(Instant::now()).as_nanos() as i64;
+        let left = ns(deadline.saturating_duration_since(Instant::now()));
         let i = unsafe { sf_queue_wait_peek(&mut self.events, h, self.epoch, 0, left, SPIN_NS) };
         if i < 0 {
             return Err(wait_error(-i, "events"));
@@ -270,9 +364,15 @@ impl Connection {
         };
         let got = events::decode(slot, self.session);
         unsafe { sf_queue_release(&mut self.events) };
-        match got? {
-            Some(m) => self.file_message(m),
-            None => Ok(()),
+        match got {
+            Ok(Some(m)) => self.file_message(m),
+            Ok(None) => Ok(()),
+            Err(e) => {
+                // Nothing the worker writes may stop the planner: drop it, count it.
+                self.dropped += 1;
+                self.last_dropped = Some(e.to_string());
+                Ok(())
+            }
         }
     }
 

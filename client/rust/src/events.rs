@@ -13,6 +13,9 @@ pub enum Error {
     Timeout(&'static str),
     /// The worker's epoch changed or it is gone: reconnect and re-admit.
     WorkerGone,
+    /// No worker will come back: the daemon stopped or died, or gave up on
+    /// this worker (gave_up; SIGHUP to the daemon retries it).
+    DaemonGone { gave_up: bool },
     /// A message that does not decode, or a reference outside a ring.
     Bounds(String),
     /// The worker refused a plan: SF_STATUS_* by name, and its message.
@@ -24,9 +27,15 @@ pub enum Error {
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Error::Segment(m) => write!(f, "segment: {m}"),
+            Error::Taken => write!(f, "another planner holds the worker"),
+            Error::Timeout(what) => write!(f, "timed out waiting for {what}"),
+            Error::WorkerGone => write!(f, "the worker restarted or died: reconnect and re-admit"),
+            Error::DaemonGone { gave_up: true } => write!(f, "the daemon gave up on the worker"),
+            Error::DaemonGone { gave_up: false } => write!(f, "the daemon stopped"),
+            Error::Bounds(m) => write!(f, "{m}"),
             Error::Rejected { plan_seq, name, message, .. } => write!(f, "plan {plan_seq} rejected: {name}: {message}"),
             Error::Op { op, name, message, .. } => write!(f, "op {op}: {name}: {message}"),
-            e => write!(f, "{e:?}"),
         }
     }
 }
@@ -45,7 +54,7 @@ pub struct Completion {
 }
 
 /// What was dropped or evicted in a tick (counters and entries agree).
-#[derive(Clone, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Shed {
     pub prefill_chunks_dropped: u32,
     pub evictions_performed: u32,
@@ -54,6 +63,7 @@ pub struct Shed {
 }
 
 /// One tick's answer, every list decoded.
+#[derive(Debug)]
 pub struct Events {
     pub plan_seq: u64,
     pub status: u32,
@@ -86,6 +96,7 @@ impl Events {
 }
 
 /// One event-queue message.
+#[derive(Debug)]
 pub enum Message {
     Events(Events),
     /// Completions of ops run between ticks (or that a tick's events could not hold).
@@ -118,10 +129,15 @@ fn completions(arena: &[u8], span: Span) -> Result<Vec<Completion>, Error> {
         .collect()
 }
 
-/// The record of `R` and its arena, after checking the sizes.
+/// The record of `R` and its arena, after checking the sizes: record_bytes
+/// and the record's leading struct_size both equal this build's size.
 fn record<'a, R: Copy>(slot: &'a [u8], h: &MsgHeader) -> Result<(R, &'a [u8]), Error> {
     if h.record_bytes as usize != size_of::<R>() {
         return Err(Error::Bounds(format!("a record of {} bytes, this build's is {}", h.record_bytes, size_of::<R>())));
+    }
+    let struct_size: u64 = read(slot, size_of::<MsgHeader>())?;
+    if struct_size != size_of::<R>() as u64 {
+        return Err(Error::Bounds(format!("struct_size {struct_size}, this build's is {}", size_of::<R>())));
     }
     let r: R = read(slot, size_of::<MsgHeader>())?;
     let at = size_of::<MsgHeader>() + align(size_of::<R>());
@@ -168,5 +184,55 @@ pub(crate) fn decode(slot: &[u8], session: u64) -> Result<Option<Message>, Error
             })))
         }
         _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(kind: u32, record_bytes: u32, arena_bytes: u64, session: u64) -> Vec<u8> {
+        crate::plan::bytes_of(&MsgHeader { kind, record_bytes, arena_bytes, session }).to_vec()
+    }
+
+    #[test]
+    fn whatever_bytes_a_slot_holds_decode_gives_a_value_or_an_error() {
+        // A corrupt or hostile worker's slots: never a panic, never a read past the slot.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let sizes = [size_of::<TickEvents>(), size_of::<OpEvents>(), size_of::<WorkerNotice>(), size_of::<QueueReset>()];
+        let (mut ok, mut refused) = (0, 0);
+        for n in 0..20_000 {
+            let kind = [SF_MSG_EVENTS, SF_MSG_OP_EVENTS, SF_MSG_WORKER, SF_MSG_RESET][n % 4];
+            let len = (rnd() % 1024) as usize;
+            let mut slot = header(kind, sizes[n % 4] as u32, rnd() % 2048, if n % 8 < 4 { 0 } else { 7 });
+            slot.extend((0..len).map(|_| rnd() as u8));
+            if n % 3 == 0 && slot.len() >= 32 {
+                slot[24..32].copy_from_slice(&(sizes[n % 4] as u64).to_le_bytes()); // a plausible struct_size
+            }
+            match decode(&slot, 7) {
+                Ok(_) => ok += 1,
+                Err(_) => refused += 1,
+            }
+        }
+        assert!(ok > 0 && refused > 0, "ok {ok}, refused {refused}");
+    }
+
+    #[test]
+    fn a_record_of_another_size_is_refused() {
+        let mut slot = header(SF_MSG_WORKER, size_of::<WorkerNotice>() as u32 + 8, 0, 0);
+        slot.resize(256, 0);
+        assert!(matches!(decode(&slot, 1), Err(Error::Bounds(_))));
+        let mut slot = header(SF_MSG_WORKER, size_of::<WorkerNotice>() as u32, 0, 0);
+        slot.extend((size_of::<WorkerNotice>() as u64 + 8).to_le_bytes()); // struct_size
+        slot.resize(256, 0);
+        assert!(matches!(decode(&slot, 1), Err(Error::Bounds(m)) if m.contains("struct_size")));
+        slot[24..32].copy_from_slice(&(size_of::<WorkerNotice>() as u64).to_le_bytes());
+        assert!(matches!(decode(&slot, 1), Ok(Some(Message::Worker(_)))));
     }
 }

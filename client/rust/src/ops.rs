@@ -179,9 +179,10 @@ impl Connection {
             f.insert("limit", 1024);
             let c = self.op("LIST_LANES", &f, timeout)?.ok("LIST_LANES")?;
             let page: LanePage = Self::decoded(&c, "LIST_LANES")?;
+            let empty = page.lanes.is_empty();
             out.extend(page.lanes);
-            if !page.more {
-                return Ok(out);
+            if !page.more || empty {
+                return Ok(out); // an empty page with `more` would page forever
             }
         }
     }

@@ -52,6 +52,15 @@ pub struct RequestSpec {
     pub host_sampler: Option<HostSampler>,
 }
 
+impl std::fmt::Debug for RequestSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestSpec").field("prompt", &self.prompt).field("max_new_tokens", &self.max_new_tokens)
+            .field("sampling", &self.sampling).field("params", &self.params).field("rng_base", &self.rng_base)
+            .field("publish", &self.publish).field("stop_at_eos", &self.stop_at_eos)
+            .field("host_sampler", &self.host_sampler.as_ref().map(|_| "callback")).finish()
+    }
+}
+
 impl RequestSpec {
     /// Greedy, published to the cache, stopping at EOS.
     pub fn new(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
@@ -60,6 +69,7 @@ impl RequestSpec {
     }
 }
 
+#[derive(Debug)]
 pub struct Request {
     pub id: usize,
     pub spec: RequestSpec,
@@ -148,16 +158,25 @@ pub struct Planner {
 
 impl Planner {
     pub fn new(mut conn: Connection, opts: Options) -> Result<Planner, Error> {
+        if opts.prefill_token_budget < 1 || opts.decode_grant < 1 || opts.prefill_chunk == Some(0) {
+            return Err(Error::Bounds("prefill_token_budget, prefill_chunk and decode_grant are at least 1".into()));
+        }
         let desc = conn.describe(opts.tick_timeout)?;
         let max_batch = desc.runtime.max_batch as usize;
-        let max_lanes = opts.max_lanes.unwrap_or(max_batch).min(max_batch);
+        // 0 lanes would never admit: as Python's, 0 means "as many as the runtime batches".
+        let max_lanes = opts.max_lanes.filter(|&n| n > 0).unwrap_or(max_batch).min(max_batch);
         let seeds = SeedBook::new(desc.runtime.page, desc.runtime.exact_only);
         Ok(Planner { conn, opts, eos: desc.eos, requests: Vec::new(), stats: Stats::default(),
                      waiting: VecDeque::new(), lanes: Vec::new(), retire_next: BTreeSet::new(), seeds, max_lanes,
                      evict: false, admit_cap: None })
     }
 
-    /// Queue a request; its id (the index in `requests`).
+    /// A request by the id submit gave it.
+    pub fn request(&self, id: usize) -> &Request {
+        &self.requests[id - 1]
+    }
+
+    /// Queue a request; its id (1, 2, ...: `request(id)`).
     pub fn submit(&mut self, mut spec: RequestSpec) -> Result<usize, Error> {
         if spec.prompt.is_empty() || spec.max_new_tokens < 1 {
             return Err(Error::Bounds("a request needs a prompt and max_new_tokens >= 1".into()));
@@ -168,10 +187,10 @@ impl Planner {
         if !spec.stop_at_eos {
             spec.params.flags |= SF_PARAM_IGNORE_EOS;
         }
-        let id = self.requests.len();
+        let id = self.requests.len() + 1;
         self.requests.push(Request { id, spec, generated: Vec::new(), finish: None, admissions: 0, seed: None,
                                      no_seed: false });
-        self.waiting.push_back(id);
+        self.waiting.push_back(id - 1);
         Ok(id)
     }
 

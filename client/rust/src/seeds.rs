@@ -68,7 +68,12 @@ impl SeedBook {
         if asked.is_empty() || !self.may_share(asked) {
             return Ok(None);
         }
-        let got = c.lease_seed(asked, LEASE_TTL_TICKS, SF_CLASS_SEED_PATH_INVARIANT, timeout)?;
+        let got = match c.lease_seed(asked, LEASE_TTL_TICKS, SF_CLASS_SEED_PATH_INVARIANT, timeout) {
+            // A lease on more than was asked is the worker's error: do without it.
+            Ok(Some(s)) if s.value as usize <= asked.len() => Some(s),
+            Ok(_) | Err(Error::Op { .. }) => None, // no match, no room, or refused: prefill it all
+            Err(e) => return Err(e),
+        };
         match got {
             Some(_) => self.leases += 1,
             None => self.misses += 1,

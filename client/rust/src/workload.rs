@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 /// Host samplers' perturbation scale (client/workload.py's PERTURB_SCALE).
 pub const PERTURB_SCALE: f32 = 2.0;
 
+// As Python's reader: unknown keys are refused in options and params, ignored elsewhere.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Workload {
     #[serde(default)]
     pub options: Option<WorkloadOptions>,
@@ -27,7 +27,7 @@ pub struct Workload {
 pub struct WorkloadOptions {
     pub prefill_token_budget: Option<u32>,
     pub prefill_chunk: Option<u32>,
-    pub decode_grant: Option<u16>,
+    pub decode_grant: Option<u64>,
     pub max_lanes: Option<usize>,
     pub use_leases: Option<bool>,
 }
@@ -45,14 +45,14 @@ pub struct Params {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct WorkloadRequest {
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: Option<String>,
     pub host_sampler: Option<String>,
     pub params: Option<Params>,
-    pub rng_base: Option<u64>,
+    /// Masked to 64 bits, as Python's `& (2**64 - 1)`: -1 is 2^64 - 1.
+    pub rng_base: Option<serde_json::Number>,
     pub stop_at_eos: Option<bool>,
     pub publish: Option<bool>,
 }
@@ -64,12 +64,20 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The first index of the largest value.
+/// The first index of the largest value (of the first NaN, as numpy's argmax).
 pub fn host_argmax(row: &[f32], _position: u64) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
+    first_max(row.iter().copied())
+}
+
+fn first_max(values: impl Iterator<Item = f32>) -> u32 {
+    let (mut best, mut top) = (0usize, f32::NEG_INFINITY);
+    for (i, v) in values.enumerate() {
+        if v.is_nan() {
+            return i as u32;
+        }
+        if v > top || i == 0 {
             best = i;
+            top = v;
         }
     }
     best as u32
@@ -77,16 +85,10 @@ pub fn host_argmax(row: &[f32], _position: u64) -> u32 {
 
 /// argmax of row[i] + PERTURB_SCALE * u(position, i), float32 throughout.
 pub fn host_perturb(row: &[f32], position: u64) -> u32 {
-    let (mut best, mut top) = (0usize, f32::NEG_INFINITY);
-    for (i, &v) in row.iter().enumerate() {
+    first_max(row.iter().enumerate().map(|(i, &v)| {
         let bits = splitmix64((position << 32).wrapping_add(i as u64)) >> 40;
-        let s = v + PERTURB_SCALE * (bits as f32 / (1u32 << 24) as f32);
-        if s > top || i == 0 {
-            best = i;
-            top = s;
-        }
-    }
-    best as u32
+        v + PERTURB_SCALE * (bits as f32 / (1u32 << 24) as f32)
+    }))
 }
 
 fn sampler(name: &str, at: usize) -> Result<HostSampler, Error> {
@@ -108,7 +110,7 @@ impl Workload {
         Options {
             prefill_token_budget: o.and_then(|o| o.prefill_token_budget).unwrap_or(d.prefill_token_budget),
             prefill_chunk: o.and_then(|o| o.prefill_chunk),
-            decode_grant: o.and_then(|o| o.decode_grant).unwrap_or(d.decode_grant),
+            decode_grant: o.and_then(|o| o.decode_grant).map_or(d.decode_grant, |g| g.min(u16::MAX as u64) as u16),
             max_lanes: o.and_then(|o| o.max_lanes),
             use_leases: o.and_then(|o| o.use_leases).unwrap_or(d.use_leases),
             ..d
@@ -138,7 +140,11 @@ impl Workload {
             s.params.repeat_penalty = f(|p| p.repeat_penalty);
             s.params.presence_penalty = f(|p| p.presence_penalty);
             s.params.freq_penalty = f(|p| p.freq_penalty);
-            s.rng_base = r.rng_base.unwrap_or(0);
+            s.rng_base = match &r.rng_base {
+                None => 0,
+                Some(v) => v.as_u64().or_else(|| v.as_i64().map(|v| v as u64))
+                    .ok_or_else(|| Error::Bounds(format!("requests[{n}].rng_base: an integer")))?,
+            };
             s.stop_at_eos = r.stop_at_eos.unwrap_or(true);
             s.publish = r.publish.unwrap_or(true);
             Ok(s)
@@ -169,15 +175,17 @@ pub fn run(conn: Connection, w: &Workload, timeout: Duration) -> Result<Value, E
         p.step()?;
         let made: u64 = p.requests.iter().map(|r| r.generated.len() as u64).sum();
         if let (Some(n), false) = (w.kill_worker_after_tokens, killed) {
-            if made >= n {
-                unsafe { kill(p.conn.worker_pid() as i32, 9) };
+            let pid = p.conn.worker_pid() as i32;
+            if made >= n && pid > 0 {
+                // (pid 0 while the daemon starts a worker: kill(0) would hit our own group)
+                unsafe { kill(pid, 9) };
                 killed = true;
             }
         }
     }
     let results: Vec<Value> = ids.iter().map(|&i| {
-        let r = &p.requests[i];
-        json!({"id": i + 1, "tokens": r.generated, "finish": r.finish.map(|f| f.as_str()),
+        let r = p.request(i);
+        json!({"id": i, "tokens": r.generated, "finish": r.finish.map(|f| f.as_str()),
                "admissions": r.admissions})
     }).collect();
     let s = &p.stats;

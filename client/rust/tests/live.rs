@@ -17,10 +17,10 @@ fn a_rust_planner_gets_the_python_clients_tokens() {
     let prompt = [5u32, 6, 7, 8, 9];
     let mine = {
         let mut c = connect(&d.1);
-        assert!(c.session != 0);
+        assert!(c.session() != 0);
         let desc = c.describe(Duration::from_secs(30)).unwrap();
         assert_eq!((desc.abi_version, desc.runtime.runtime_id.as_str()), (SF_ABI_VERSION, "fake"));
-        assert!(desc.runtime.vocab_size > 0 && desc.worker_epoch == c.epoch);
+        assert!(desc.runtime.vocab_size > 0 && desc.worker_epoch == c.epoch());
         let bad = c.op("NO_SUCH_OP", &std::collections::HashMap::<String, u8>::new(), Duration::from_secs(30)).unwrap();
         assert_eq!(bad.status, SF_OPST_UnknownOp);
         assert_eq!(superfluid::names::op_status(bad.status), "UnknownOp");
@@ -74,7 +74,7 @@ fn a_header_of_another_abi_version_is_refused_at_connect() {
     unsafe { kill(worker, 18) }; // SIGCONT
     match got {
         Err(Error::Segment(m)) => assert!(m.contains(&format!("says {SF_CONNECT_ABI}")), "{m}"),
-        other => panic!("expected a refusal, got {:?}", other.map(|c| c.session)),
+        other => panic!("expected a refusal, got {:?}", other.map(|c| c.session())),
     }
 }
 
@@ -104,7 +104,7 @@ fn run_lane(c: &mut Connection, prompt: &[u32], n: usize, kill_after: Option<usi
             }
             Err(Error::WorkerGone) => {
                 if let Err(e) = c.reconnect(t) {
-                    panic!("reconnect: {e:?} (epoch {}, worker pid {})", c.epoch, c.worker_pid());
+                    panic!("reconnect: {e:?} (epoch {}, worker pid {})", c.epoch(), c.worker_pid());
                 }
                 admitted = false; // its lanes died with it
                 restarts += 1;

@@ -1,9 +1,9 @@
 //! `superfluid-plan WORKLOAD [--name NAME] [--worker I] [--timeout S]`: the
 //! Rust reference planner on a workload (client/workload.py's format),
 //! printing the results JSON `superfluid plan` prints.
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use superfluid::workload::{run, Workload};
-use superfluid::{Connection, Error};
+use superfluid::Connection;
 
 fn usage(msg: &str) -> ! {
     eprintln!("superfluid-plan: {msg}\nusage: superfluid-plan WORKLOAD [--name NAME] [--worker I] [--timeout S]");
@@ -35,18 +35,10 @@ fn main() {
         usage(&format!("{path}: {e}"));
     }
     let t = Duration::from_secs_f64(timeout);
-    // The segment appears once the daemon has made it: wait for it as Python's Client does.
-    let deadline = Instant::now() + t;
-    let conn = loop {
-        match Connection::connect(&name, worker, t) {
-            Ok(c) => break c,
-            Err(Error::Segment(_)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => {
-                eprintln!("superfluid-plan: connect to {name}/{worker}: {e}");
-                std::process::exit(1)
-            }
-        }
-    };
+    let conn = Connection::connect(&name, worker, t).unwrap_or_else(|e| {
+        eprintln!("superfluid-plan: connect to {name}/{worker}: {e}");
+        std::process::exit(1)
+    });
     match run(conn, &w, t) {
         Ok(v) => println!("{v}"),
         Err(e) => {

@@ -4,8 +4,8 @@
 #![allow(dead_code)]
 use serde_json::Value;
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
-use superfluid::{Connection, Error};
+use std::time::Duration;
+use superfluid::Connection;
 
 pub struct Daemon(pub Child, pub String);
 
@@ -39,15 +39,9 @@ pub fn serve(py: &str, name: &str, args: &[&str]) -> Daemon {
     Daemon(child, name.into())
 }
 
+/// Connect waits for the segment the daemon is still making.
 pub fn connect(name: &str) -> Connection {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match Connection::connect(name, 0, Duration::from_secs(120)) {
-            Ok(c) => return c,
-            Err(Error::Segment(_)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("connect: {e:?}"),
-        }
-    }
+    Connection::connect(name, 0, Duration::from_secs(120)).unwrap_or_else(|e| panic!("connect: {e}"))
 }
 
 /// The Python reference planner's results for `workload` on daemon `name`.
