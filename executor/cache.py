@@ -51,6 +51,9 @@ class PrefixCache:
         self._by_seq: dict[int, CacheEntry] = {}
         self._root = _Node(None, ())
         self._next = 0
+        # Totals kept as entries come, go and move to the host tier: read every tick.
+        self._resident_bytes = 0
+        self._host_bytes = 0
 
     # ------------------------------------------------------------ reading
 
@@ -76,11 +79,15 @@ class PrefixCache:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(e.bytes for e in self._by_seq.values())
+        return self._resident_bytes
 
     @property
     def host_bytes(self) -> int:
-        return sum(len(e.blob) for e in self.entries.values() if not e.resident and e.blob is not None)
+        return self._host_bytes
+
+    @staticmethod
+    def _host_size(e: CacheEntry) -> int:
+        return len(e.blob) if not e.resident and e.blob is not None else 0
 
     @property
     def unpinned_bytes(self) -> int:
@@ -168,6 +175,8 @@ class PrefixCache:
         self.entries[e.eid] = e
         if seq is not None:
             self._by_seq[seq] = e
+            self._resident_bytes += e.bytes
+        self._host_bytes += self._host_size(e)
         p = self.page
         node = self._root
         for k in range(len(e.tokens) // p):
@@ -184,6 +193,8 @@ class PrefixCache:
         del self.entries[e.eid]
         if e.seq is not None:
             del self._by_seq[e.seq]
+            self._resident_bytes -= e.bytes
+        self._host_bytes -= self._host_size(e)
         path = self._walk(e.tokens, len(e.tokens) // self.page)
         path[-1].ends.discard(e.eid)
         for node in path[1:]:
@@ -196,7 +207,9 @@ class PrefixCache:
     def set_exported(self, e: CacheEntry, blob: bytes) -> None:
         """The entry's state left the pool for host memory."""
         del self._by_seq[e.seq]
+        self._resident_bytes -= e.bytes
         e.seq, e.blob, e.checkpoint = None, blob, False
+        self._host_bytes += self._host_size(e)
 
     def plan_evict(self, cap_bytes: int, enough: Callable[[list[CacheEntry]], bool],
                    candidates: list[CacheEntry] | None = None) -> tuple[list[CacheEntry], bool]:

@@ -74,6 +74,8 @@ class RetirePhase:
         if limit is None:
             return
         over = self.ex.cache.resident_bytes - limit
+        if over <= 0:
+            return  # (lru() sorts every entry)
         for e in self.ex.cache.lru():
             if over <= 0:
                 break

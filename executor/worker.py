@@ -31,7 +31,7 @@ from superfluid.abi.records import OpCompletion, OpEvents, PartialEmit, QueueRes
 from superfluid.engine.plan import PlanReject, decode_plan, plan_seq_of
 from superfluid.executor.control import ASKED, Control
 from superfluid.executor.executor import Executor
-from superfluid.rings.queue import DEFAULT_SPIN_NS, QueueTimeout
+from superfluid.rings.queue import QueueTimeout
 from superfluid.rings.repair import repair_geometry, repair_identity
 from superfluid.rings.segment import parse_segment_path
 
@@ -388,7 +388,9 @@ class Worker:
         self._report()
         plans, ex = seg.plan_queue, self.ex
         plan_view, op_view = self._plan_view, self._op_view
-        spin = DEFAULT_SPIN_NS  # right after a tick the next plan often follows: spin for it first
+        # Busy (plans came): spin for the next one as the plan queue's SpinBudget
+        # says (the planner's recent turnarounds); idle: sleep, do not burn a core.
+        busy = True
         try:
             while True:
                 # What needs no answer within a tick (the daemon's stop, the
@@ -409,12 +411,12 @@ class Worker:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
                 if self._outbox:
                     self._flush()
-                slot = plans.peek_within(_IDLE_SLICE_NS, spin)
+                slot = plans.peek_within(_IDLE_SLICE_NS, None if busy else 0)
                 if slot is None:
-                    spin = 0  # idle: sleep, do not burn a core
+                    busy = False
                     self._counters()
                     continue
-                spin = DEFAULT_SPIN_NS
+                busy = True
                 if _peek_at(op_view) >= 0:
                     self._drain_ops()
                 self._plan(slot)

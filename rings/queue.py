@@ -21,12 +21,16 @@ from superfluid.rings.errors import PeerGone, SegmentClosed, StopRequested
 # a VM, more than a Python peer's turnaround, so the common answer should
 # arrive while spinning.
 DEFAULT_SPIN_NS = 200_000
+# A wait counts at most this many budgets towards the typical one, so an idle
+# spell is forgotten within a few quick answers.
+_LONG_WAIT_BUDGETS = 4
 
 _reserve_at = lib.sf_queue_reserve_at
 _peek_at = lib.sf_queue_peek_at
 _wait_reserve = lib.sf_queue_wait_reserve
 _wait_peek = lib.sf_queue_wait_peek
 _publish = lib.sf_queue_publish
+_now_ns = lib.sf_monotonic_ns
 _release = lib.sf_queue_release
 _TIMEOUT, _GONE = -int(WaitResult.TIMEOUT), -int(WaitResult.GONE)
 # A long wait returns to Python this often, so signal handlers (Ctrl-C) run.
@@ -37,6 +41,27 @@ class QueueTimeout(TimeoutError):
     """Nothing to read, or no room to write, within the timeout."""
 
 
+class SpinBudget:
+    """How long a wait spins before it sleeps, from how long this queue's
+    recent waits took: the whole budget while they typically end within it,
+    none once they typically do not. A wait spun through a peer's long
+    answer (a tick of milliseconds) is a core taken from that peer on a
+    small machine; a short one (an empty tick) is answered while spinning."""
+
+    __slots__ = ("budget_ns", "typical_ns")
+
+    def __init__(self, budget_ns: int = DEFAULT_SPIN_NS):
+        self.budget_ns = budget_ns
+        self.typical_ns = 0  # a running mean (1/8 per wait) of recent waits, each capped
+
+    def spin_ns(self) -> int:
+        return self.budget_ns if self.typical_ns <= self.budget_ns else 0
+
+    def waited(self, ns: int) -> None:
+        ns = min(ns, _LONG_WAIT_BUDGETS * self.budget_ns)
+        self.typical_ns += (ns - self.typical_ns) >> 3
+
+
 class SlotQueue:
     """One direction of traffic: plans, events, ops or stream records.
 
@@ -44,7 +69,7 @@ class SlotQueue:
     publish/release of that side; reserve/peek hand them out, publish/release
     give them back."""
 
-    __slots__ = ("_seg", "_view", "name", "n_slots", "slot_bytes", "_slots")
+    __slots__ = ("_seg", "_view", "name", "n_slots", "slot_bytes", "_slots", "spin")
 
     def __init__(self, seg, base_ptr, nbytes: int, name: str, geometry: tuple[int, int] | None = None):
         """`geometry`: (n_slots, slot_bytes) known from elsewhere (the worker,
@@ -63,6 +88,7 @@ class SlotQueue:
         self.slot_bytes = sb = int(self._view.slot_bytes)
         base = self._view.slots
         self._slots = [memoryview(ffi.buffer(base + i * sb, sb)) for i in range(self.n_slots)]
+        self.spin = SpinBudget()  # for waits that name no spin_ns of their own
 
     # ---------------------------------------------------------- primitives
 
@@ -168,11 +194,18 @@ class SlotQueue:
 
     # --------------------------------------------------------------- waits
 
-    def _waited(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool, spin_ns: int) -> memoryview:
+    def _waited(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool,
+                spin_ns: int | None) -> memoryview:
         if self._seg.closed:
             raise self._closed()
         if timeout is not None and timeout != timeout:
             raise ValueError(f"{self.name} queue: timeout is NaN")
+        if spin_ns is None:
+            start = _now_ns()
+            try:
+                return self._waited(fn, timeout, epoch, watch_stop, self.spin.spin_ns())
+            finally:
+                self.spin.waited(_now_ns() - start)
         # None or inf: no deadline; negative: do not wait.
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + max(0.0, timeout)
         hdr = ffi.NULL if epoch is None else self._seg.header
@@ -193,36 +226,42 @@ class SlotQueue:
             raise PeerGone(self._seg.epoch, self._seg.worker_state, epoch)
         raise StopRequested(f"{self.name} queue: the daemon asked the worker to stop")
 
-    def peek_within(self, timeout_ns: int, spin_ns: int = DEFAULT_SPIN_NS) -> memoryview | None:
+    def peek_within(self, timeout_ns: int, spin_ns: int | None = None) -> memoryview | None:
         """The oldest unread slot, waiting at most `timeout_ns` (spinning
-        `spin_ns` first); None when none came. One C call, no peer checks:
-        for a consumer that waits in short slices and looks around between
-        them itself (the worker)."""
+        `spin_ns` first; None: as the queue's SpinBudget says); None when
+        none came. One C call, no peer checks: for a consumer that waits in
+        short slices and looks around between them itself (the worker)."""
         if self._seg.closed:
             raise self._closed()
-        i = _wait_peek(self._view, ffi.NULL, 0, 0, timeout_ns, spin_ns)
+        if spin_ns is not None:
+            i = _wait_peek(self._view, ffi.NULL, 0, 0, timeout_ns, spin_ns)
+        else:
+            start = _now_ns()
+            i = _wait_peek(self._view, ffi.NULL, 0, 0, timeout_ns, self.spin.spin_ns())
+            self.spin.waited(_now_ns() - start)
         return self._slots[i] if i >= 0 else None
 
     def peek(self, timeout: float | None = None, *, epoch: int | None = None, watch_stop: bool = False,
-             spin_ns: int = DEFAULT_SPIN_NS) -> memoryview:
+             spin_ns: int | None = None) -> memoryview:
         """The oldest unread slot, waiting for one. `epoch`: the worker epoch
         the caller talks to; PeerGone when it changes or the worker is down
         (None: no peer checks). StopRequested when `watch_stop` and the
-        daemon asked for a stop. QueueTimeout when `timeout` passes."""
+        daemon asked for a stop. QueueTimeout when `timeout` passes.
+        `spin_ns`: spin that long before sleeping (None: the SpinBudget's)."""
         return self._waited(_wait_peek, timeout, epoch, watch_stop, spin_ns)
 
     def reserve(self, timeout: float | None = None, *, epoch: int | None = None, watch_stop: bool = False,
-                spin_ns: int = DEFAULT_SPIN_NS) -> memoryview:
+                spin_ns: int | None = None) -> memoryview:
         """The next free slot, waiting while the queue is full; as peek."""
         return self._waited(_wait_reserve, timeout, epoch, watch_stop, spin_ns)
 
     def wait_readable(self, timeout: float | None = None, *, epoch: int | None = None,
-                      watch_stop: bool = False, spin_ns: int = DEFAULT_SPIN_NS) -> None:
+                      watch_stop: bool = False, spin_ns: int | None = None) -> None:
         """Return once a slot can be read; raises as peek."""
         self.peek(timeout, epoch=epoch, watch_stop=watch_stop, spin_ns=spin_ns)
 
     def wait_writable(self, timeout: float | None = None, *, epoch: int | None = None,
-                      watch_stop: bool = False, spin_ns: int = DEFAULT_SPIN_NS) -> None:
+                      watch_stop: bool = False, spin_ns: int | None = None) -> None:
         """Return once a slot can be reserved; raises as peek."""
         self.reserve(timeout, epoch=epoch, watch_stop=watch_stop, spin_ns=spin_ns)
 
