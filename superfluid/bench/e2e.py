@@ -4,10 +4,15 @@ The same workload (greedy requests of mixed prompt and output lengths) goes
 (1) through a daemon worker over shared memory, driven by the reference
 planner; (2) through the same planner and an executor in this process (what
 the process split costs is the difference); (3) through HF transformers
-`generate` on the same weights, batched like the planner's lanes.
-Paths (1) and (2) run the workload `repeats` times on one worker each, the
-first a warm-up; each reports its median run (a run is well under a second
-here, so one run alone is mostly noise).
+`generate` on the same weights, batched like the planner's lanes, on the
+first --hf-requests requests (it is far slower).
+Paths (1) and (2) are up at once and take turns, `repeats` runs each (the
+order swapped every repeat, so drift in the machine's load hits both alike),
+after an untimed warm-up of a few requests; every run starts from an empty
+prefix cache. Each path reports its median run; `daemon_to_inproc_paired` is
+the median of each repeat's back-to-back ratio. The default (512 requests, 5
+repeats) is seconds a run, over 10 s a path, on a 2-core VM; --quick is a
+smoke test, not a number.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def _workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
 def _drive(client, reqs, *, budget: int, grant: int) -> dict[str, Any]:
     from superfluid.client.planner import Planner
 
+    client.op("CACHE_CLEAR")  # every run starts from an empty prefix cache (the last run's retires published)
     planner = Planner(client, prefill_token_budget=budget, decode_grant=grant)
     ids = [planner.submit(p, m, stop_at_eos=False) for p, m in reqs]
     t0 = time.perf_counter()
@@ -50,39 +56,66 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(np.ceil(q / 100 * len(xs))) - 1)], 2)
 
 
-def _median_run(client, reqs, *, budget: int, grant: int, repeats: int) -> dict[str, Any]:
-    runs = [_drive(client, reqs, budget=budget, grant=grant) for _ in range(max(1, repeats))]
-    timed = runs[1:] or runs  # the first run pays the warm-up
-    med = sorted(timed, key=lambda r: r["tok_s"])[len(timed) // 2]
-    med["same_every_run"] = all(r["outputs"] == runs[0]["outputs"] for r in runs)
-    med["runs_tok_s"] = [round(r["tok_s"], 1) for r in timed]
-    return med
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
-def _daemon(model: str, reqs, budget: int, grant: int, repeats: int) -> dict[str, Any]:
+def _daemon(model: str, worker_args: list[str]):
+    """A daemon with one worker (its supervisor on a thread here) and a
+    Client to it; close() ends both."""
     from superfluid.client import Client
     from superfluid.daemon.supervisor import Daemon
 
     name = f"e2e-{os.getpid()}"
-    d = Daemon(name, ["--model", model], workers=1, handle_signals=False)
+    d = Daemon(name, ["--model", model, *worker_args], workers=1, handle_signals=False)
     d.start()
     loop = threading.Thread(target=d.serve_forever, daemon=True)
     loop.start()
-    try:
-        with Client.connect(name, 0, timeout=300) as c:
-            return _median_run(c, reqs, budget=budget, grant=grant, repeats=repeats)
-    finally:
+
+    def close() -> None:
         d.stop()
         loop.join(60)
 
+    try:
+        return Client.connect(name, 0, timeout=300), close
+    except BaseException:
+        close()
+        raise
 
-def _inproc(model: str, reqs, budget: int, grant: int, repeats: int) -> dict[str, Any]:
+
+def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int,
+           worker_args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+    """(daemon, in-process) median runs and each repeat's paired ratio. Both
+    paths live at once and take turns, the order swapped every repeat, so
+    drift in the machine's load hits both alike; each first runs `warmup`
+    requests untimed."""
     from superfluid.client.local import LocalClient
     from superfluid.engine import load
     from superfluid.executor import Executor
 
-    return _median_run(LocalClient(Executor(load(model, "torch"))), reqs, budget=budget, grant=grant,
-                       repeats=repeats)
+    local = LocalClient(Executor(load(model, "torch")))
+    client, close = _daemon(model, worker_args)
+    try:
+        paths = {"daemon": client, "inproc": local}
+        for c in paths.values():
+            _drive(c, reqs[:warmup], budget=budget, grant=grant)
+        runs: dict[str, list[dict[str, Any]]] = {"daemon": [], "inproc": []}
+        for r in range(max(1, repeats)):
+            for name in (("inproc", "daemon") if r % 2 == 0 else ("daemon", "inproc")):
+                runs[name].append(_drive(paths[name], reqs, budget=budget, grant=grant))
+    finally:
+        client.close()
+        close()
+    out = {}
+    for name, rs in runs.items():
+        med = _median(rs)
+        med["same_every_run"] = all(x["outputs"] == rs[0]["outputs"] for x in rs)
+        med["runs_tok_s"] = [round(x["tok_s"], 1) for x in rs]
+        med["runs_wall_s"] = [round(x["wall_s"], 2) for x in rs]
+        out[name] = med
+    paired = [d["tok_s"] / i["tok_s"] for d, i in zip(runs["daemon"], runs["inproc"])]
+    out["daemon"]["same_as_inproc"] = all(d["outputs"] == i["outputs"] for d, i in zip(runs["daemon"], runs["inproc"]))
+    return out["daemon"], out["inproc"], paired
 
 
 def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
@@ -116,44 +149,60 @@ def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
     return {"tok_s": toks / wall, "tokens": toks, "wall_s": wall, "ttft": sorted(ttft)}
 
 
-def run(*, requests: int = 32, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
-        hf_batch: int = 8, repeats: int = 4) -> dict[str, Any]:
+def run(*, requests: int = 512, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
+        hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 32,
+        worker_args: list[str] | None = None) -> dict[str, Any]:
     from superfluid.engine.config import load_config
     from superfluid.engine.tiny import default_model_dir
 
     model = model or str(default_model_dir())
     reqs = _workload(requests, load_config(model).vocab_size, seed)
     t0 = time.perf_counter()
-    inproc = _inproc(model, reqs, budget, grant, repeats)
-    daemon = _daemon(model, reqs, budget, grant, repeats)
-    hf = _hf(model, reqs, hf_batch)
+    load_before = os.getloadavg()
+    daemon, inproc, paired = _paths(model, reqs, budget=budget, grant=grant, repeats=repeats,
+                                    warmup=min(warmup, requests), worker_args=list(worker_args or []))
+    load_after = os.getloadavg()
+    hf = _hf(model, reqs[:max(1, min(hf_requests, requests))], hf_batch) if hf_requests else None
     return {
         "tok_s": round(daemon["tok_s"], 1),
         "inproc_tok_s": round(inproc["tok_s"], 1),
-        "hf_tok_s": round(hf["tok_s"], 1),
+        "hf_tok_s": round(hf["tok_s"], 1) if hf else None,
+        # The median daemon run over the median in-process run; and the median of each
+        # repeat's pair (run back to back, so both saw the same load).
         "daemon_to_inproc": round(daemon["tok_s"] / inproc["tok_s"], 3),
+        "daemon_to_inproc_paired": round(float(np.median(paired)), 3),
+        "runs_daemon_to_inproc": [round(x, 3) for x in paired],
         "ttft_ms": {"p50": _pct(daemon["ttft"], 50), "p99": _pct(daemon["ttft"], 99)},
         "inproc_ttft_ms": {"p50": _pct(inproc["ttft"], 50), "p99": _pct(inproc["ttft"], 99)},
-        "hf_ttft_ms": {"p50": _pct(hf["ttft"], 50), "p99": _pct(hf["ttft"], 99)},
-        "same_tokens_daemon_vs_inproc": daemon["outputs"] == inproc["outputs"],
+        "hf_ttft_ms": {"p50": _pct(hf["ttft"], 50), "p99": _pct(hf["ttft"], 99)} if hf else None,
+        "same_tokens_daemon_vs_inproc": daemon["same_as_inproc"],
         "same_tokens_every_run": daemon["same_every_run"] and inproc["same_every_run"],
         "runs_tok_s": {"daemon": daemon["runs_tok_s"], "inproc": inproc["runs_tok_s"]},
+        "runs_wall_s": {"daemon": daemon["runs_wall_s"], "inproc": inproc["runs_wall_s"]},
         "workload": {"requests": requests, "tokens": daemon["tokens"], "prefill_token_budget": budget,
-                     "decode_grant": grant, "hf_batch": hf_batch, "repeats": repeats, "model": model,
-                     "sampling": "greedy"},
+                     "decode_grant": grant, "repeats": repeats, "warmup_requests": min(warmup, requests),
+                     "hf_requests": min(hf_requests, requests), "hf_batch": hf_batch, "model": model,
+                     "sampling": "greedy", "worker_args": list(worker_args or [])},
+        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
 
 def _main(args: argparse.Namespace) -> int:
-    res = run(requests=args.requests, model=args.model, repeats=args.repeats)
+    if args.quick:
+        args.requests, args.repeats, args.hf_requests = args.requests or 8, args.repeats or 1, 4
+    res = run(requests=args.requests or 512, model=args.model, repeats=args.repeats or 5,
+              hf_requests=args.hf_requests, worker_args=args.worker_args.split() if args.worker_args else None)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        print(f"daemon {res['tok_s']} tok/s, in-process {res['inproc_tok_s']} tok/s "
-              f"(ratio {res['daemon_to_inproc']}), HF generate {res['hf_tok_s']} tok/s; "
-              f"TTFT p50 {res['ttft_ms']['p50']} ms, p99 {res['ttft_ms']['p99']} ms")
+        hf = f"HF generate {res['hf_tok_s']} tok/s ({res['workload']['hf_requests']} requests); " if res["hf_tok_s"] else ""
+        print(f"daemon {res['tok_s']} tok/s, in-process {res['inproc_tok_s']} tok/s (ratio of medians "
+              f"{res['daemon_to_inproc']}, paired {res['runs_daemon_to_inproc']}), {hf}"
+              f"TTFT p50 {res['ttft_ms']['p50']} ms, p99 {res['ttft_ms']['p99']} ms; "
+              f"{res['workload']['tokens']} tokens a run, runs {res['runs_wall_s']} s; "
+              f"load {res['loadavg_before']} -> {res['loadavg_after']}")
     return 0
 
 
@@ -161,7 +210,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("e2e", help="requests through the daemon vs in-process vs HF generate",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=4, help="runs per path, the first a warm-up (default 4)")
+    p.add_argument("--requests", type=int, default=None, help="requests a run (default 512; --quick: 8)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per path (default 5; --quick: 1)")
+    p.add_argument("--hf-requests", type=int, default=32,
+                   help="the first N requests also go through HF generate (default 32, 0 = skip HF)")
+    p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")
+    p.add_argument("--worker-args", help="extra worker options for the daemon, e.g. '--threads 1'")
     p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
     p.set_defaults(func=_main)

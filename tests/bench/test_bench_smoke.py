@@ -177,13 +177,16 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.timeout(300)
 def test_bench_e2e_keys(shm_dir, capsys):
-    assert main(["bench", "e2e", "--json", "--requests", "4", "--repeats", "2"]) == 0
+    assert main(["bench", "e2e", "--json", "--quick", "--requests", "4", "--repeats", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
-    for key in ("tok_s", "inproc_tok_s", "hf_tok_s"):
+    for key in ("tok_s", "inproc_tok_s", "hf_tok_s", "daemon_to_inproc", "daemon_to_inproc_paired"):
         assert res[key] > 0, key
     assert res["ttft_ms"]["p50"] > 0 and res["ttft_ms"]["p99"] >= res["ttft_ms"]["p50"]
     assert res["same_tokens_daemon_vs_inproc"] is True and res["same_tokens_every_run"] is True
-    assert len(res["runs_tok_s"]["daemon"]) == 1  # the warm-up run is not counted
+    # two timed runs a path, taking turns (the warm-up is apart and not counted)
+    assert len(res["runs_tok_s"]["daemon"]) == len(res["runs_tok_s"]["inproc"]) == len(res["runs_daemon_to_inproc"]) == 2
+    assert res["workload"]["requests"] == 4 and res["workload"]["hf_requests"] == 4
+    assert len(res["loadavg_before"]) == len(res["loadavg_after"]) == 3
     assert not os.listdir(shm_dir)
 
 
