@@ -11,6 +11,7 @@ from superfluid.engine.runtime import (
     RuntimeDescription,
     RuntimeFailure,
     SampleSpec,
+    TokenMasks,
     Unsupported,
     UnknownSequence,
     Vocabulary,
@@ -26,5 +27,6 @@ def load(path, backend: str = "torch", **options):
 
 __all__ = [
     "CapacityError", "FatalError", "Feed", "LaneFault", "MemCounters", "OutOfBounds", "Runtime",
-    "RuntimeDescription", "RuntimeFailure", "SampleSpec", "Unsupported", "UnknownSequence", "Vocabulary", "load",
+    "RuntimeDescription", "RuntimeFailure", "SampleSpec", "TokenMasks", "Unsupported", "UnknownSequence",
+    "Vocabulary", "load",
 ]

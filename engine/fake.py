@@ -60,9 +60,11 @@ from superfluid.engine.runtime import (
     Runtime,
     RuntimeDescription,
     SampleSpec,
+    TokenMasks,
     Unsupported,
     UnknownSequence,
     Vocabulary,
+    check_masks,
 )
 
 _M64 = (1 << 64) - 1
@@ -488,7 +490,8 @@ class FakeRuntime(Runtime):
         self.stats.rows += sum(len(r) for r in out)
         return out
 
-    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec]) -> list[int] | None:
+    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec],
+                     masks: TokenMasks | None = None) -> list[int] | None:
         if not self.desc.engine_sampling:
             return None
         if len(specs) != len(feeds):
@@ -497,10 +500,16 @@ class FakeRuntime(Runtime):
             raise Unsupported("this fake samples greedily only (engine_draws is off)")
         if not feeds:
             return []
+        masks = check_masks(masks, len(feeds), self.desc.vocab_size)
+        mask_of = {} if masks is None else dict(zip(masks.rows, masks.bits))
         done = self._advance(feeds)
         out = []
-        for (s, _), sp in zip(done, specs):
+        for i, ((s, _), sp) in enumerate(zip(done, specs)):
             row = self._row(s.chain[-1], len(s.tokens))
+            if i in mask_of:
+                from superfluid.engine.sampling import apply_bitmask
+
+                apply_bitmask(row, mask_of[i])
             if sp.temperature > 0 and self._sampling is not None:
                 tok = self._sampling.sample(row, sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                             sp.rng_position)

@@ -14,14 +14,16 @@ from superfluid.engine.weights import load_weights
 from superfluid.kernels.backend import get_backend
 
 
-def _specials(path: str) -> dict[str, int]:
-    """Special tokens named in tokenizer.json, if there is one."""
+def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
+    """tokenizer.json's text (grammars compile against it) and the special
+    tokens it names; (None, {}) without one."""
     tok = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok):
-        return {}
+        return None, {}
     with open(tok, encoding="utf-8") as f:
-        added = json.load(f).get("added_tokens", [])
-    return {t["content"]: int(t["id"]) for t in added if t.get("special")}
+        text = f.read()
+    added = json.loads(text).get("added_tokens", [])
+    return text, {t["content"]: int(t["id"]) for t in added if t.get("special")}
 
 
 def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None = None,
@@ -45,4 +47,5 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
         limit = min(limit, cfg.sliding_window)
     model = Model(cfg, weights, get_backend(backend, invariant, dev), device=dev, dtype=dtype,
                   max_seq_len=min(max_seq_len or limit, limit))
-    return TransformerRuntime(model, specials=_specials(path), **pool_options)
+    tokenizer_json, specials = _tokenizer(path)
+    return TransformerRuntime(model, specials=specials, tokenizer_json=tokenizer_json, **pool_options)

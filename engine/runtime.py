@@ -128,6 +128,43 @@ class SampleSpec(NamedTuple):
     rng_position: int = 0
 
 
+class TokenMasks(NamedTuple):
+    """Grammar masks for some rows of a step_sampled batch, applied to a row
+    before anything else (SPEC §5): a token whose bit is clear gets -inf.
+
+    bits: int32 [n, ceil(vocab_size / 32)]; token t is allowed when bit t % 32
+    of word t // 32 is set (llguidance's bitmask layout). rows: the feed index
+    each bits row masks (distinct), or None when bits has one row per feed.
+    Feeds not named are unmasked and cost nothing."""
+
+    bits: np.ndarray
+    rows: Sequence[int] | None = None
+
+
+def check_masks(masks: TokenMasks | None, n_feeds: int, vocab_size: int) -> TokenMasks | None:
+    """masks checked against a step of n_feeds (OutOfBounds, before the step
+    changes anything), with rows as a list; None when it masks no feed."""
+    if masks is None:
+        return None
+    bits, rows = masks
+    words = (vocab_size + 31) // 32
+    if (not isinstance(bits, np.ndarray) or bits.dtype != np.int32 or bits.ndim != 2
+            or bits.shape[1] != words):
+        got = f"{bits.dtype} {bits.shape}" if isinstance(bits, np.ndarray) else type(bits).__name__
+        raise OutOfBounds(f"a token mask must be int32 [n, {words}], got {got}")
+    if rows is None:
+        if bits.shape[0] != n_feeds:
+            raise OutOfBounds(f"a token mask of {bits.shape[0]} rows for {n_feeds} feeds")
+        rows = list(range(n_feeds))
+    else:
+        rows = [int(r) for r in rows]
+        if len(rows) != bits.shape[0]:
+            raise OutOfBounds(f"{len(rows)} mask rows for a token mask of {bits.shape[0]} rows")
+        if rows and (min(rows) < 0 or max(rows) >= n_feeds or len(set(rows)) != len(rows)):
+            raise OutOfBounds(f"mask rows must be distinct feeds of 0..{n_feeds - 1}")
+    return TokenMasks(bits, rows) if rows else None
+
+
 @dataclasses.dataclass(frozen=True)
 class MemCounters:
     cells_total: int  # 0 = no cell limit
@@ -183,10 +220,18 @@ class Runtime(abc.ABC):
         array per feed. None where the runtime cannot."""
         return None
 
-    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec]) -> list[int] | None:
+    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec],
+                     masks: TokenMasks | None = None) -> list[int] | None:
         """As step (every feed wants a row), but the row of each feed is
-        sampled on the device with its spec; the tokens, in feed order.
-        None where the runtime does not sample (the caller samples rows)."""
+        sampled on the device with its spec, after its grammar mask if
+        `masks` names it; the tokens, in feed order. None where the runtime
+        does not sample (the caller samples rows)."""
+        return None
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The text of the checkpoint's tokenizer.json, which grammars compile
+        against (executor/grammar.py); None: no tokenizer, so no grammars."""
         return None
 
     @abc.abstractmethod

@@ -5,8 +5,8 @@ Triton kernel (kernels/sampling.py) implement the same algorithm, so the same
 row, params and position give the same token on every path.
 
 The algorithm. Inputs: `row` (float32, length V), temperature, top_k, top_p,
-min_p, position (u64). The grammar mask, logit bias and penalties have been
-applied to the row before (masked tokens are -inf).
+min_p, position (u64). The grammar mask (apply_bitmask), logit bias and
+penalties have been applied to the row before (masked tokens are -inf).
 
 - u = uniform(position) (kernels/rng.py): splitmix64 of the position, top 53
   bits scaled into [0, 1). The position is the only key.
@@ -39,6 +39,21 @@ from __future__ import annotations
 import numpy as np
 
 from superfluid.kernels.rng import uniform
+
+
+def mask_allowed(bits: np.ndarray, n_vocab: int) -> np.ndarray:
+    """A grammar bitmask row as bool [n_vocab]: token t is allowed when bit
+    t % 32 of word t // 32 is set (int32 [ceil(n_vocab / 32)], llguidance's layout)."""
+    b = np.ascontiguousarray(bits, dtype="<i4")  # the layout is little-endian words
+    if b.shape != ((n_vocab + 31) // 32,):
+        raise ValueError(f"a token mask of shape {b.shape} for a vocabulary of {n_vocab}: "
+                         f"expected ({(n_vocab + 31) // 32},)")
+    return np.unpackbits(b.view(np.uint8), count=n_vocab, bitorder="little").view(bool)
+
+
+def apply_bitmask(row: np.ndarray, bits: np.ndarray) -> None:
+    """In place: every token of `row` (float32 [V]) the mask does not allow becomes -inf."""
+    np.putmask(row, ~mask_allowed(bits, row.shape[-1]), np.float32(-np.inf))
 
 
 def greedy(row: np.ndarray) -> int:

@@ -32,8 +32,10 @@ from superfluid.engine.runtime import (
     Runtime,
     RuntimeDescription,
     SampleSpec,
+    TokenMasks,
     UnknownSequence,
     Vocabulary,
+    check_masks,
 )
 from superfluid.kernels.attention import KEY_CHUNK, DenseKV
 
@@ -47,7 +49,7 @@ class TransformerRuntime(Runtime):
 
     def __init__(self, model: Model, *, kv_cells: int = 16384, page: int = 16, max_batch: int = 64,
                  max_seqs: int = 0, prefill_step_tokens: int = 512, specials: dict[str, int] | None = None,
-                 runtime_id: str | None = None):
+                 runtime_id: str | None = None, tokenizer_json: str | None = None):
         cfg: ModelConfig = model.cfg
         self.model = model
         self.cfg = cfg
@@ -62,6 +64,7 @@ class TransformerRuntime(Runtime):
             prefill_step_tokens=prefill_step_tokens, engine_sampling=True, engine_draws=True,
             verify_batches=True, exact_only=False)
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(cfg.eos_token_ids), dict(specials or {}))
+        self._tokenizer_json = tokenizer_json  # for grammars; None: none
         backend = model.backend
         # Mirrors take at most twice what the pool takes, so the memory a worker
         # uses stays a known multiple of --kv-cells.
@@ -217,15 +220,21 @@ class TransformerRuntime(Runtime):
             at += len(f.tokens)
         return res
 
-    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec]) -> list[int]:
+    def step_sampled(self, feeds: Sequence[Feed], specs: Sequence[SampleSpec],
+                     masks: TokenMasks | None = None) -> list[int]:
         if len(specs) != len(feeds):
             raise OutOfBounds(f"{len(specs)} sample specs for {len(feeds)} feeds")
         if not feeds:
             return []
         _check_specs(specs)  # before the step: a bad spec must change nothing
+        masks = check_masks(masks, len(feeds), self.cfg.vocab_size)
         feeds = [f if f.wants_row else Feed(f.seq, f.tokens, True) for f in feeds]
         logits = self._forward(feeds, all_rows=False)
-        return self.model.backend.sample(logits, specs).tolist()
+        return self.model.backend.sample(logits, specs, masks).tolist()
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        return self._tokenizer_json
 
     # ---------------------------------------------------- export / import
 

@@ -237,12 +237,15 @@ def token_logprob(row: np.ndarray, token: int, n: int) -> TokenLogprob:
 
 def pick(row: np.ndarray, sampling_mode: int, params: SamplingParamsLike, position: int, *,
          bias: Bias | None = None, history: Sequence[int] | np.ndarray = (), exempt: Exempt = frozenset(),
-         grammar: GrammarMask | None = None, want_logprobs: int = 0) -> tuple[int, TokenLogprob | None]:
+         grammar: GrammarMask | None = None, mask: np.ndarray | None = None,
+         want_logprobs: int = 0) -> tuple[int, TokenLogprob | None]:
     """Pick a lane's token from its logits row (SPEC §5) and, when want_logprobs = n > 0,
     its logprob record (chosen token + n - 1 alternatives, from the row after bias and
     penalties, before temperature). Greedy when sampling_mode is GPU_GREEDY or
-    temperature <= 0; otherwise the engine's counter-based draw at `position`. The
-    caller's row is never written."""
+    temperature <= 0; otherwise the engine's counter-based draw at `position`.
+    mask: a grammar bitmask row (int32 [ceil(V/32)], grammar.GrammarRegistry.fill's),
+    applied first, as the engine applies engine.runtime.TokenMasks. The caller's row
+    is never written."""
     x = np.asarray(row, dtype=np.float32)
     # a list, or a row of another dtype, was converted into a fresh array we may write
     owned = not (isinstance(row, np.ndarray) and np.may_share_memory(x, row))
@@ -253,6 +256,8 @@ def pick(row: np.ndarray, sampling_mode: int, params: SamplingParamsLike, positi
             x, owned = x.copy(), True
         return x
 
+    if mask is not None:
+        engine_sampling.apply_bitmask(writable(), mask)
     if grammar is not None:
         grammar.mask(writable())
     if bias is not None and _bias_len(bias):

@@ -56,11 +56,12 @@ class Backend:
     def kv_write(self, k_cache, v_cache, cells, k, v) -> None:
         kv_write_torch(k_cache, v_cache, cells, k, v)
 
-    def sample(self, logits: torch.Tensor, specs) -> torch.Tensor:
-        """One token per row of logits [b, vocab], drawn per SampleSpec."""
+    def sample(self, logits: torch.Tensor, specs, masks=None) -> torch.Tensor:
+        """One token per row of logits [b, vocab], drawn per SampleSpec after the
+        grammar masks (engine.runtime.TokenMasks, checked by the caller) if any."""
         from superfluid.kernels.sampling import sample_torch
 
-        return sample_torch(logits, *_spec_columns(specs))
+        return sample_torch(logits, *_spec_columns(specs), *_mask_columns(masks))
 
     # Whether attention can read a group's keys from a DenseKV kept across steps.
     dense_kv = True
@@ -120,15 +121,21 @@ class TritonBackend(Backend):
     def attention(self, q, k_cache, v_cache, batch, scale, layer=None):
         return self._ops.attention(q, k_cache, v_cache, batch, scale)
 
-    def sample(self, logits, specs):
+    def sample(self, logits, specs, masks=None):
         from superfluid.kernels.sampling import sample_triton
 
-        return sample_triton(logits, *_spec_columns(specs))
+        return sample_triton(logits, *_spec_columns(specs), *_mask_columns(masks))
 
 
 def _spec_columns(specs) -> tuple[list, list, list, list, list]:
     return ([s.temperature for s in specs], [s.top_k for s in specs], [s.top_p for s in specs],
             [s.min_p for s in specs], [s.rng_position for s in specs])
+
+
+def _mask_columns(masks) -> tuple:
+    if masks is None:
+        return None, None
+    return masks.bits, (None if masks.rows is None else list(masks.rows))
 
 
 def get_backend(name: str, invariant: bool = True, device: str | torch.device = "cpu") -> Backend:

@@ -13,6 +13,10 @@ sampler) and give the same token for the same row, params and position:
   of the ties at the threshold; min-p; the draw by a block-by-block running
   sum in id order.
 
+A grammar mask (int32 bitmask rows, one bit a token) comes first: both
+paths turn a banned token into -inf before anything else reads the row, and
+rows without a mask skip it (the kernel compiles it out when no row has one).
+
 The uniform comes from kernels.rng.uniform_torch and is passed to the kernel.
 Triton is optional: without it this module still imports and sample_triton
 raises. Without CUDA, Triton can only run through its interpreter, so this
@@ -24,6 +28,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from superfluid.kernels.rng import position_to_int64, uniform_torch
@@ -39,6 +44,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None  # type: ignore[assignment]
 
 Param = torch.Tensor | Sequence[float] | Sequence[int]
+Mask = torch.Tensor | np.ndarray  # int32 [n, ceil(V/32)]
 
 _NEG_INF = float("-inf")
 
@@ -57,12 +63,51 @@ def _positions(position: Param, n: int, device: torch.device) -> torch.Tensor:
     return _param([position_to_int64(int(p)) for p in position], n, torch.int64, device)
 
 
+def _mask(mask: Mask | None, mask_rows: Param | None, B: int, V: int,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The grammar mask as int32 [n, ceil(V/32)] on the device and the rows it
+    masks (int64 [n], distinct); None when it masks no row."""
+    if mask is None:
+        return None
+    bits = torch.as_tensor(mask, device=device)
+    W = (V + 31) // 32
+    if bits.dtype != torch.int32 or bits.dim() != 2 or bits.shape[1] != W:
+        raise ValueError(f"a token mask must be int32 [n, {W}], got {bits.dtype} {tuple(bits.shape)}")
+    if mask_rows is None:
+        if bits.shape[0] != B:
+            raise ValueError(f"a token mask of {bits.shape[0]} rows for {B} rows (and no mask_rows)")
+        rows = torch.arange(B, device=device)
+    else:
+        host = not isinstance(mask_rows, torch.Tensor)
+        rows = torch.as_tensor(mask_rows, dtype=torch.int64, device=device).reshape(-1)
+        if rows.numel() != bits.shape[0]:
+            raise ValueError(f"{rows.numel()} mask_rows for a token mask of {bits.shape[0]} rows")
+        if host and len(mask_rows) and (min(mask_rows) < 0 or max(mask_rows) >= B
+                                        or len(set(mask_rows)) != len(mask_rows)):
+            raise ValueError(f"mask_rows must be distinct rows of 0..{B - 1}")
+    if rows.numel() == 0:
+        return None
+    return bits.contiguous(), rows
+
+
+def apply_bitmask_torch(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, V] with the tokens that row rows[j]'s mask bits[j] does not allow at -inf
+    (a new tensor: x is not written)."""
+    ids = torch.arange(x.shape[1], device=x.device)
+    allowed = ((bits[:, ids >> 5] >> (ids & 31).to(torch.int32)) & 1).bool()
+    out = x.clone()
+    out[rows] = torch.where(allowed, x[rows], _NEG_INF)
+    return out
+
+
 # ------------------------------------------------------------------ torch
 
 
 def sample_torch(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Param, min_p: Param,
-                 position: Param) -> torch.Tensor:
-    """One token per row of `rows` [B, V] with per-row params; int64 [B] on rows' device."""
+                 position: Param, mask: Mask | None = None, mask_rows: Param | None = None) -> torch.Tensor:
+    """One token per row of `rows` [B, V] with per-row params; int64 [B] on rows' device.
+    mask: a grammar bitmask (int32 [n, ceil(V/32)], engine.runtime.TokenMasks' layout)
+    applied first to rows mask_rows (None: one mask row per row)."""
     B, V = rows.shape
     dev = rows.device
     temp = _param(temperature, B, torch.float64, dev)
@@ -73,6 +118,9 @@ def sample_torch(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Pa
         return torch.zeros(B, dtype=torch.int64, device=dev)
 
     x = rows.to(torch.float32)
+    got = _mask(mask, mask_rows, B, V, dev)
+    if got is not None:
+        x = apply_bitmask_torch(x, *got)
     greedy = torch.argmax(x, dim=1)  # first maximum: the lowest id on ties
     if bool(torch.isnan(x.gather(1, greedy[:, None])).any()):
         # argmax ranks NaN first; the rule ranks it last. Only then pay for a masked copy.
@@ -86,7 +134,7 @@ def sample_torch(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Pa
         # Only the sampled rows go through the filters; the rest keep their argmax.
         r = samp.nonzero().squeeze(1)
         out = greedy.clone()
-        out[r] = sample_torch(rows[r], temp[r], k[r], p[r], mp[r], _positions(position, B, dev)[r])
+        out[r] = sample_torch(x[r], temp[r], k[r], p[r], mp[r], _positions(position, B, dev)[r])
         return out
     u = uniform_torch(_positions(position, B, dev))  # (greedy rows draw nothing)
     z = x.to(torch.float64) / torch.where(samp, temp, 1.0)[:, None]
@@ -158,11 +206,22 @@ if triton is not None:
         return tl.where(b < 0, b ^ 0x7FFFFFFFFFFFFFFF, b)
 
     @triton.jit
-    def _weights(row_ptr, idx, V, t_safe, zmax, t_key, cut_k):
-        """w over the top-k kept set, -1.0 elsewhere (so kept weights are the >= 0 ones)."""
+    def _load(row_ptr, idx, V, bits_ptr, masked, HAS_MASK: tl.constexpr):
+        """A block of the row, NaN and the grammar mask's banned tokens as -inf."""
         m = idx < V
         x = tl.load(row_ptr + idx, mask=m, other=float("-inf"))
         x = tl.where(x != x, float("-inf"), x)
+        if HAS_MASK:
+            # unmasked rows load no word (other=-1: every bit set)
+            word = tl.load(bits_ptr + (idx >> 5), mask=tl.where(masked, m, False), other=-1)
+            x = tl.where(((word >> (idx & 31)) & 1) != 0, x, float("-inf"))
+        return x
+
+    @triton.jit
+    def _weights(row_ptr, idx, V, bits_ptr, masked, HAS_MASK: tl.constexpr, t_safe, zmax, t_key, cut_k):
+        """w over the top-k kept set, -1.0 elsewhere (so kept weights are the >= 0 ones)."""
+        m = idx < V
+        x = _load(row_ptr, idx, V, bits_ptr, masked, HAS_MASK)
         z, fin = _z(x, m, t_safe)
         key = _zkey(z)
         kept = fin & ((key > t_key) | ((key == t_key) & (idx <= cut_k)))
@@ -172,13 +231,19 @@ if triton is not None:
     if type(_z).__name__ == "InterpretedFunction":
         # The interpreter re-patches triton.language on every call of a jitted helper
         # (~0.5 ms, most of the kernel's time there): call the rewritten plain functions.
-        _z, _zkey, _weights = _z.rewrite(), _zkey.rewrite(), _weights.rewrite()
+        _z, _zkey, _load, _weights = _z.rewrite(), _zkey.rewrite(), _load.rewrite(), _weights.rewrite()
 
     @triton.jit
     def _sample_kernel(rows_ptr, row_stride, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, u_ptr, out_ptr,
-                       BLOCK: tl.constexpr):
+                       bits_ptr, bits_stride, mrow_ptr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
         pid = tl.program_id(0)
         row_ptr = rows_ptr + pid.to(tl.int64) * row_stride
+        # mrow: this row's mask row in bits, or -1 for none
+        mrow = tl.full((), -1, tl.int32)
+        if HAS_MASK:
+            mrow = tl.load(mrow_ptr + pid)
+        masked = mrow >= 0
+        bits_ptr = bits_ptr + tl.maximum(mrow, 0).to(tl.int64) * bits_stride
         temp = tl.load(temp_ptr + pid)
         top_k = tl.load(topk_ptr + pid)
         top_p = tl.load(topp_ptr + pid)
@@ -196,8 +261,7 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             idx = start + offs
             m = idx < V
-            x = tl.load(row_ptr + idx, mask=m, other=float("-inf"))
-            x = tl.where(x != x, float("-inf"), x)
+            x = _load(row_ptr, idx, V, bits_ptr, masked, HAS_MASK)
             bm = tl.max(x, 0)
             bi = tl.min(tl.where(x == bm, idx, V), 0)
             better = bm > best_val  # strict: an earlier block keeps its tie
@@ -227,8 +291,7 @@ if triton is not None:
             for start in range(0, V, BLOCK):
                 idx = start + offs
                 m = idx < V
-                x = tl.load(row_ptr + idx, mask=m, other=float("-inf"))
-                x = tl.where(x != x, float("-inf"), x)
+                x = _load(row_ptr, idx, V, bits_ptr, masked, HAS_MASK)
                 z, fin = _z(x, m, t_safe)
                 key = _zkey(z)
                 ge = fin & (key >= mid)
@@ -250,8 +313,7 @@ if triton is not None:
         for start in range(0, n_tie, BLOCK):
             idx = start + offs
             m = idx < V
-            x = tl.load(row_ptr + idx, mask=m, other=float("-inf"))
-            x = tl.where(x != x, float("-inf"), x)
+            x = _load(row_ptr, idx, V, bits_ptr, masked, HAS_MASK)
             z, fin = _z(x, m, t_safe)
             eq = fin & (_zkey(z) == t_key)
             c = tl.cumsum(eq.to(tl.int64), 0) + run
@@ -264,7 +326,7 @@ if triton is not None:
         W = tl.full((), 0.0, tl.float64)
         wmin = tl.full((), _ONE_KEY, tl.int64)
         for start in range(0, n_samp, BLOCK):
-            w = _weights(row_ptr, start + offs, V, t_safe, zmax, t_key, cut_k)
+            w = _weights(row_ptr, start + offs, V, bits_ptr, masked, HAS_MASK, t_safe, zmax, t_key, cut_k)
             W += tl.sum(tl.maximum(w, 0.0), 0)
             wmin = tl.minimum(wmin, tl.min(tl.where(w >= 0, w.to(tl.int64, bitcast=True), _ONE_KEY), 0))
 
@@ -283,7 +345,7 @@ if triton is not None:
             up = tl.full((), _MAX_I64, tl.int64)
             dn = tl.full((), -1, tl.int64)
             for start in range(0, V, BLOCK):
-                w = _weights(row_ptr, start + offs, V, t_safe, zmax, t_key, cut_k)
+                w = _weights(row_ptr, start + offs, V, bits_ptr, masked, HAS_MASK, t_safe, zmax, t_key, cut_k)
                 wk = w.to(tl.int64, bitcast=True)  # negative for the dropped (-1.0)
                 ge = wk >= mid
                 s += tl.sum(tl.where(ge, w, 0.0), 0)
@@ -299,7 +361,7 @@ if triton is not None:
         n_tie_p = tl.where(do_p, V, 0)
         for start in range(0, n_tie_p, BLOCK):
             idx = start + offs
-            w = _weights(row_ptr, idx, V, t_safe, zmax, t_key, cut_k)
+            w = _weights(row_ptr, idx, V, bits_ptr, masked, HAS_MASK, t_safe, zmax, t_key, cut_k)
             tie = w.to(tl.int64, bitcast=True) == plo
             cnt = tl.cumsum(tie.to(tl.int64), 0) + run_p
             hit = tie & (s_hi + cnt.to(tl.float64) * tau >= target_p)
@@ -312,7 +374,7 @@ if triton is not None:
         R = tl.full((), 0.0, tl.float64)
         for start in range(0, n_samp, BLOCK):
             idx = start + offs
-            w = _weights(row_ptr, idx, V, t_safe, zmax, t_key, cut_k)
+            w = _weights(row_ptr, idx, V, bits_ptr, masked, HAS_MASK, t_safe, zmax, t_key, cut_k)
             wk = w.to(tl.int64, bitcast=True)
             keep = (w >= min_w) & (w >= 0) & ((wk > plo) | ((wk == plo) & (idx <= cut_p)))
             R += tl.sum(tl.where(keep, w, 0.0), 0)
@@ -322,7 +384,7 @@ if triton is not None:
         last = tl.full((), -1, tl.int32)
         for start in range(0, n_samp, BLOCK):
             idx = start + offs
-            w = _weights(row_ptr, idx, V, t_safe, zmax, t_key, cut_k)
+            w = _weights(row_ptr, idx, V, bits_ptr, masked, HAS_MASK, t_safe, zmax, t_key, cut_k)
             wk = w.to(tl.int64, bitcast=True)
             keep = (w >= min_w) & (w >= 0) & ((wk > plo) | ((wk == plo) & (idx <= cut_p)))
             wf = tl.where(keep, w, 0.0)
@@ -335,8 +397,10 @@ if triton is not None:
 
 
 def sample_triton(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: Param, min_p: Param,
-                  position: Param, *, block: int = 1024) -> torch.Tensor:
-    """sample_torch's contract, computed by the Triton kernel (one program per row)."""
+                  position: Param, mask: Mask | None = None, mask_rows: Param | None = None, *,
+                  block: int = 1024) -> torch.Tensor:
+    """sample_torch's contract, computed by the Triton kernel (one program per row);
+    the mask is read in the kernel, word by word beside the row."""
     if triton is None:
         raise RuntimeError("sample_triton needs triton (pip install superfluid[triton]); use sample_torch")
     if block <= 0 or block & (block - 1):
@@ -352,6 +416,14 @@ def sample_triton(rows: torch.Tensor, temperature: Param, top_k: Param, top_p: P
     out = torch.zeros(B, dtype=torch.int64, device=dev)
     if B == 0 or V == 0:
         return out
+    got = _mask(mask, mask_rows, B, V, dev)
+    if got is None:
+        bits, mrow = out, out  # never read (HAS_MASK is off)
+    else:
+        bits, rows_m = got
+        mrow = torch.full((B,), -1, dtype=torch.int32, device=dev)
+        mrow[rows_m] = torch.arange(rows_m.numel(), dtype=torch.int32, device=dev)
     # No a*b+c fusion: the kernel's float64 ops round one at a time, as the host's do.
-    _sample_kernel[(B,)](x, x.stride(0), V, temp, k, p, mp, u, out, BLOCK=block, enable_fp_fusion=False)
+    _sample_kernel[(B,)](x, x.stride(0), V, temp, k, p, mp, u, out, bits, bits.stride(0), mrow, BLOCK=block,
+                         HAS_MASK=got is not None, enable_fp_fusion=False)
     return out
