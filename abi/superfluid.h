@@ -202,10 +202,19 @@ extern "C" {
  *   tokens; Capacity: the lease table is full (1024 leases by default).
  * RELEASE_SEED  handle u64 > 0 (required). Ends the lease, unpins its entry. handle = it.
  *   UnknownHandle: no such lease (released, used by an admit, or swept after it expired).
- * REGISTER_GRAMMAR  Unsupported today, whatever its fields (grammars are a later issue; SPEC §7
- *   names kind, text, choices). An admit with grammar_handle or grammar_replay != 0 is
- *   RejectIllegalCombination.
- * RELEASE_GRAMMAR  handle u64 > 0 (required). UnknownHandle (no grammar can be registered yet).
+ * REGISTER_GRAMMAR  kind str (required): "json_schema" | "regex" | "lark" | "gbnf" | "choice";
+ *   text str (required, except for choice): the JSON schema (as JSON text), the regex (whole
+ *   output must match), or the Lark / GBNF grammar; choices [str] (required for choice, non-empty):
+ *   the output is exactly one of them. Compiled by llguidance against the checkpoint's
+ *   tokenizer.json; a JSON schema gets no free whitespace unless its own "x-guidance" asks for it.
+ *   handle = the grammar, for LaneAdmit.grammar_handle; value = compile time in microseconds.
+ *   BadRequest: a field, or a grammar the library refuses (its message); Unsupported: the runtime
+ *   has no tokenizer (checked before the fields); Capacity: 1024 grammars are registered.
+ *   A grammar is borrowed by one lane at a time. Until admits take grammars (issue 13), an
+ *   admit with grammar_handle or grammar_replay != 0 is RejectIllegalCombination.
+ * RELEASE_GRAMMAR  handle u64 > 0 (required). Unregisters it at once, borrowed or not: a lane
+ *   admitted with it keeps its grammar to its end; later admits naming it are refused.
+ *   handle = it. UnknownHandle: no such grammar.
  * REGISTER_LOGIT_BIAS  bias (required): a map {token id: value} or an array of [token id, value]
  *   pairs; ids < vocab_size, each once; values int or float with |value| <= FLT_MAX, or -inf to ban
  *   the token (NaN and +inf are refused); {} is allowed. Added to a row before the penalties (SPEC
@@ -256,7 +265,7 @@ extern "C" {
 #define SF_OPST_UnknownOp 2      /* "op" names no SF_OP_* (OpCompletion.op is then 0) */
 #define SF_OPST_UnknownHandle 3  /* no such handle: RELEASE_*, EXPORT_ENTRY */
 #define SF_OPST_Refused 4        /* INJECT_FAULT without fault injection; in-process, a fatal error */
-#define SF_OPST_Unsupported 5    /* the executor or its runtime cannot do it (grammars, strategies) */
+#define SF_OPST_Unsupported 5    /* not here: grammars (no tokenizer), strategies (not yet) */
 #define SF_OPST_NoMatch 6        /* nothing to act on: no usable prefix (LEASE_SEED), no such lane */
 #define SF_OPST_Capacity 7       /* a table or the pool is full, or the completion fits no event slot */
 #define SF_OPST_StaleSession 8   /* an earlier session's op: not run (op 0; op_id if it could be read) */

@@ -23,6 +23,7 @@ from superfluid.engine.plan import PlanReject, check_plan, decode_plan, plan_seq
 from superfluid.engine.runtime import FatalError, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check
+from superfluid.executor.grammar import GrammarRegistry
 from superfluid.executor.lanes import FaultedLanes, Lane
 from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
@@ -88,6 +89,7 @@ class Executor:
         self.last_plan_seq: int | None = None
         self.tick_count = 0
         self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias
+        self.grammars = GrammarRegistry.for_runtime(runtime)  # handles, and the lane borrowing each
         self.next_handle = 1
         self.inject_fault: dict[int, int] = {}  # lane tag -> fault code, fired at its next decode
         self.completions: list = []  # OpCompletion records for the next events
@@ -275,12 +277,14 @@ class Executor:
 
         faulted = [(t, getattr(self.faulted.lanes.get(t), "session", None)) for t in sorted(self.faulted)]
         put(self.last_plan_seq, self.tick_count, self._nonce, faulted, sorted(self.inject_fault.items()),
-            sorted(self.biases), self.next_handle, len(self.pending_shed), self.seeded_tokens)
+            sorted(self.biases), self.next_handle, len(self.pending_shed), self.seeded_tokens,
+            [(h, self.grammars.borrower(h)) for h in self.grammars.handles()])
         for tag in sorted(self.lanes):
             ln = self.lanes[tag]
             put(tag, ln.seq, ln.sampling, tuple(ln.params), ln.rng_base, ln.rng_counter, ln.prompt, ln.prefill_end,
                 ln.prefilled, ln.committed, ln.pending_input, ln.pending_row, ln.finished, ln.logprobs_top,
-                ln.granted_class, ln.session, self.runtime.seq_len(ln.seq))
+                ln.granted_class, ln.session, self.runtime.seq_len(ln.seq), ln.grammar_handle,
+                None if ln.grammar is None else ln.grammar.tokens)
         for e in sorted(self.cache.all(), key=lambda e: e.eid):
             put(e.eid, e.seq, e.tokens, e.prompt_len, e.bytes, e.last_used, e.pins, e.seeded, e.checkpoint, e.bare,
                 None if e.blob is None else hashlib.sha256(e.blob).hexdigest(),

@@ -34,6 +34,8 @@ class Lane:
     finished: bool = False
     rng_counter: int = 0  # sampled and committed tokens: draw position = rng_base + rng_counter
     bias: Any = None  # a registered logit bias
+    grammar_handle: int = 0  # the grammar it borrows (Executor.grammars), 0 = none
+    grammar: Any = None  # its grammar.Matcher while it borrows one
     logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
     granted_class: int = 0
     # Fixed for the lane's life, worked out once at admission (the decode loop reads them every round).

@@ -1,8 +1,8 @@
 """Ops (SPEC §7): msgpack maps {op, op_id, ...} that change executor state
 between ticks. An op's failure is its completion's status; it never affects
-a tick. Grammars and strategies are later issues: their ops answer
-Unsupported, but releasing an unknown handle is still UnknownHandle. The
-seed ops are in seed_ops.py, the lane ops in lane_ops.py. An error message
+a tick. Strategies are a later issue: INSTALL_STRATEGY answers
+Unsupported. Grammars compile in grammar.py; a runtime without a tokenizer
+answers Unsupported. The seed ops are in seed_ops.py, the lane ops in lane_ops.py. An error message
 quotes at most ECHO_BYTES of any input value and is clipped whole here, so
 no input makes a completion big."""
 
@@ -17,7 +17,7 @@ import numpy as np
 from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
-from superfluid.executor import sampling as hs
+from superfluid.executor import grammar as gr, sampling as hs
 from superfluid.executor.op_fields import MAX_ERROR_BYTES, OpError, clip, echo
 from superfluid.executor.op_fields import field as _field, handle as _handle
 
@@ -122,6 +122,35 @@ def _release_bias(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, 0, b""
 
 
+def _register_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
+    reg = ex.grammars
+    if not reg.supported:  # before the fields: no grammar of any kind can work here
+        raise OpError(OpStatus.Unsupported, "grammars need a tokenizer: this runtime has none "
+                                            "(no tokenizer.json in its checkpoint)")
+    kind = _field(msg, "kind", str)
+    if kind not in gr.KINDS:
+        raise OpError(OpStatus.BadRequest, f"field 'kind': {echo(kind)} is not one of {', '.join(gr.KINDS)}")
+    text = _field(msg, "choices", list) if kind == "choice" else _field(msg, "text", str)
+    if reg.full:
+        raise OpError(OpStatus.Capacity, f"{len(reg)} grammars are registered, the most there may be")
+    try:
+        g = reg.compile(kind, text)
+    except gr.GrammarsUnsupported as e:
+        raise OpError(OpStatus.Unsupported, str(e)) from None
+    except gr.GrammarError as e:
+        raise OpError(OpStatus.BadRequest, f"{kind}: {e}") from None
+    h = ex.new_handle()
+    reg.add(h, g)
+    return h, g.compile_us, b""
+
+
+def _release_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
+    h = _handle(msg)
+    if not ex.grammars.release(h):
+        raise OpError(OpStatus.UnknownHandle, f"no grammar {h}")
+    return h, 0, b""
+
+
 def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
     if not ex.fault_injection:
         raise OpError(OpStatus.Refused, "fault injection is off (start the worker with --fault-injection)")
@@ -161,13 +190,6 @@ def _unsupported(what: str):
     return run
 
 
-def _release_unknown(what: str):
-    def run(ex, msg: dict) -> tuple[int, int, bytes]:
-        h = _handle(msg)
-        raise OpError(OpStatus.UnknownHandle, f"no {what} {h}")
-    return run
-
-
 from superfluid.executor import lane_ops, seed_ops  # noqa: E402 (they use the field readers above)
 
 _OPS = {
@@ -178,8 +200,8 @@ _OPS = {
     OpKind.CACHE_CLEAR: _cache_clear,
     OpKind.LEASE_SEED: seed_ops.lease_seed,
     OpKind.RELEASE_SEED: seed_ops.release_seed,
-    OpKind.REGISTER_GRAMMAR: _unsupported("grammars"),
-    OpKind.RELEASE_GRAMMAR: _release_unknown("grammar"),
+    OpKind.REGISTER_GRAMMAR: _register_grammar,
+    OpKind.RELEASE_GRAMMAR: _release_grammar,
     OpKind.INSTALL_STRATEGY: _unsupported("speculation strategies"),
     OpKind.EXPORT_ENTRY: seed_ops.export_entry,
     OpKind.IMPORT_STATE: seed_ops.import_state,
