@@ -43,9 +43,10 @@ class QueueTimeout(TimeoutError):
 
 class SpinBudget:
     """How long a wait spins before it sleeps, from how long this queue's
-    recent waits took: the whole budget while they typically end within it,
-    none once they typically do not. A wait spun through a peer's long
-    answer (a tick of milliseconds) is a core taken from that peer on a
+    recent waits took: the whole budget while they typically end within
+    about it (twice it: an answer near the budget is caught most of the
+    time), none once they typically do not. A wait spun through a peer's
+    long answer (a tick of milliseconds) is a core taken from that peer on a
     small machine; a short one (an empty tick) is answered while spinning."""
 
     __slots__ = ("budget_ns", "typical_ns")
@@ -55,7 +56,7 @@ class SpinBudget:
         self.typical_ns = 0  # a running mean (1/8 per wait) of recent waits, each capped
 
     def spin_ns(self) -> int:
-        return self.budget_ns if self.typical_ns <= self.budget_ns else 0
+        return self.budget_ns if self.typical_ns <= 2 * self.budget_ns else 0
 
     def waited(self, ns: int) -> None:
         ns = min(ns, _LONG_WAIT_BUDGETS * self.budget_ns)

@@ -8,8 +8,9 @@ the process split costs is the difference); (3) through HF transformers
 first --hf-requests requests (it is far slower).
 Paths (1) and (2) are up at once and take turns, `repeats` runs each (the
 order swapped every repeat, so drift in the machine's load hits both alike),
-after an untimed warm-up of a few requests; every run starts from an empty
-prefix cache. Each path reports its median run; `daemon_to_inproc_paired` is
+after an untimed warm-up (128 requests: the batch fills, so its shapes are
+paid for before the first timed run); every run starts from an empty prefix
+cache. Each path reports its median run; `daemon_to_inproc_paired` is
 the median of each repeat's back-to-back ratio. The default (512 requests, 5
 repeats) is seconds a run, over 10 s a path, on a 2-core VM; --quick is a
 smoke test, not a number.
@@ -150,7 +151,7 @@ def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
 
 
 def run(*, requests: int = 512, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
-        hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 32,
+        hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 128,
         worker_args: list[str] | None = None) -> dict[str, Any]:
     from superfluid.engine.config import load_config
     from superfluid.engine.tiny import default_model_dir
