@@ -19,6 +19,9 @@ _HOST = int(Sampling.HOST)
 _OK, _TICK_OK, _TICK_SHED, _TICK_LANE_ERRORS = int(Status.OK), int(TickStatus.OK), int(TickStatus.SHED), \
     int(TickStatus.LANE_ERRORS)
 _FINISH_NONE = int(Finish.NONE)
+# TickEvents is built positionally every tick (keywords cost a microsecond); this pins the order.
+assert TickEvents._fields == ("struct_size", "plan_seq", "status", "tick_status", "admit_results", "emits", "faults",
+                              "shed", "op_completions", "logprobs", "message", "timings", "mem", "worker_epoch")
 _GREEDY_SPEC = SampleSpec()
 
 
@@ -259,7 +262,6 @@ class DecodePhase:
         comps = ex.completions
         if comps:
             ex.completions = []
-        return TickEvents(plan_seq=self.plan.plan_seq, status=_OK, tick_status=status,
-                          admit_results=tuple(self.admit_results), emits=tuple(emits), faults=tuple(self.faults),
-                          shed=shed, op_completions=tuple(comps), logprobs=tuple(self.logprobs),
-                          timings=timings, mem=ex._mem_record(), worker_epoch=ex.epoch)
+        return TickEvents(0, self.plan.plan_seq, _OK, status, tuple(self.admit_results), tuple(emits),
+                          tuple(self.faults), shed, tuple(comps), tuple(self.logprobs), b"", timings, ex._mem_record(),
+                          ex.epoch)

@@ -30,6 +30,9 @@ from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
 from superfluid.executor.tick import Tick
 
 EXIT_FATAL = 70
+_MEM_FIELDS = ("allocated_bytes", "host_retained_bytes", "pool_blocks_total", "pool_blocks_used",
+               "pool_bytes_evictable", "tentative_bytes")
+assert TickMemCounters._fields == _MEM_FIELDS, TickMemCounters._fields
 # Host memory for cache entries evicted from the pool, where the runtime can export them.
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 AUTO = "auto"  # cache_max_bytes: half the runtime's pool
@@ -261,10 +264,11 @@ class Executor:
 
     def _mem_record(self) -> TickMemCounters:
         mem = self.runtime.mem_counters()
-        page = self.page
-        return TickMemCounters(allocated_bytes=mem.allocated_bytes, host_retained_bytes=self.cache.host_bytes,
-                               pool_blocks_total=mem.cells_total // page, pool_blocks_used=mem.cells_used // page,
-                               pool_bytes_evictable=self.cache.unpinned_bytes, tentative_bytes=0)
+        page, cache = self.page, self.cache
+        # Positional (every tick; _MEM_FIELDS pins the order): allocated, host retained,
+        # pool blocks total and used, evictable (unpinned resident) bytes, tentative.
+        return TickMemCounters(mem.allocated_bytes, cache.host_bytes, mem.cells_total // page, mem.cells_used // page,
+                               cache.unpinned_bytes if len(cache) else 0, 0)
 
     def state_digest(self) -> str:
         """A hash of everything a tick can change (lanes, cache, leases,
