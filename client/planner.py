@@ -41,6 +41,7 @@ from superfluid.abi import CacheClass, Finish, ParamFlag, Sampling, ShedKind, St
 from superfluid.abi.records import LaneCommit, LaneEmit, SamplingParams, TickEvents
 from superfluid.client.builder import PlanBuilder
 from superfluid.client.client import Client, ClientTimeout, WorkerRestarted
+from superfluid.client.grammars import GrammarBook, GrammarSpec, fields as grammar_fields
 from superfluid.client.seeding import SPI, Seed, SeedBook
 
 GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST
@@ -82,9 +83,10 @@ class Request:
     submitted_at: float
     generated: list[int] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)
-    finish: str | None = None  # "eos", "length" (max_seq_len), "max_tokens", "unservable" (memory)
+    finish: str | None = None  # "eos", "grammar", "length" (max_seq_len), "max_tokens", "unservable" (memory)
     finished_at: float | None = None
     admissions: int = 0  # > 1: re-admitted after a restart, a fault or a preemption
+    grammar: GrammarSpec | None = None  # its output is constrained to this
     seed: Seed | None = None  # a lease for its next admission
     no_seed: bool = False  # its lease went stale: admit it without one this time
 
@@ -205,6 +207,7 @@ class Planner:
         rt = desc["runtime"]
         self.use_leases = use_leases
         self.seeds = SeedBook(client, int(rt.get("page", 16)), bool(rt.get("exact_only", False)))
+        self.grammars = GrammarBook(client)
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.lanes: dict[int, Lane] = {}  # by tag, in admission order (prefill runs in this order)
@@ -218,19 +221,29 @@ class Planner:
 
     def submit(self, prompt_tokens, max_new_tokens: int, sampling: Sampling = GPU_GREEDY, *,
                params: SamplingParams | None = None, rng_base: int = 0, publish: bool = True,
-               host_sampler: HostSampler | None = None, stop_at_eos: bool = True) -> int:
+               host_sampler: HostSampler | None = None, stop_at_eos: bool = True,
+               grammar: GrammarSpec | None = None) -> int:
         """Queue a request; its id. HOST requests need `host_sampler`; the
-        draw of generated token k is at rng position `rng_base + k`."""
+        draw of generated token k is at rng position `rng_base + k`.
+        grammar: (kind, text) — json_schema, regex, lark, gbnf — or
+        ("choice", [strings]); the output follows it (not with HOST). The
+        worker compiles it now: a grammar it refuses raises GrammarRefused."""
         prompt = [int(t) for t in prompt_tokens]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a prompt and max_new_tokens >= 1")
         if sampling == HOST and host_sampler is None:
             raise ValueError("a HOST request needs a host_sampler(row, position) -> token")
+        if grammar is not None:
+            grammar_fields(grammar)  # a ValueError for a malformed spec
+            if sampling == HOST:
+                raise ValueError("a grammar constrains the engine's sampling: not with HOST")
         params = params or SamplingParams()
         if not stop_at_eos:
             params = params._replace(flags=params.flags | int(ParamFlag.IGNORE_EOS))
         req = Request(self._next_id, prompt, max_new_tokens, Sampling(sampling), params, rng_base & _U64,
-                      publish, host_sampler, stop_at_eos, submitted_at=self.clock())
+                      publish, host_sampler, stop_at_eos, submitted_at=self.clock(), grammar=grammar)
+        if grammar is not None:
+            self.grammars.handle(req.id, grammar, self.tick_timeout)
         self._next_id += 1
         self.requests[req.id] = req
         self.waiting.append(req)
@@ -376,10 +389,13 @@ class Planner:
             req.seed = self.seeds.lease(tokens, self.tick_timeout)
         seed = req.seed
         value = seed.value if seed else 0
+        # The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
+        grammar = self.grammars.handle(req.id, req.grammar, self.tick_timeout) if req.grammar else 0
         ref = self.client.write_prompt(tokens)
         d.builder.admit(tag, ref, sampling=req.sampling, params=req.params,
                         rng_counter_base=(req.rng_base + sampled) & _U64, decode_replay=sampled,
-                        seed_handle=seed.handle if seed else 0, determinism_class=SPI)
+                        seed_handle=seed.handle if seed else 0, determinism_class=SPI,
+                        grammar_handle=grammar, grammar_replay=sampled if grammar else 0)
         # A seed covers `value` tokens: prefill starts there, and so does decode's replay.
         end = max(len(req.prompt), value)
         lane = Lane(tag, req, prefill_end=end, replay_left=len(tokens) - end, prefilled=value)
@@ -410,6 +426,7 @@ class Planner:
         """A request the worker's memory cannot hold even alone: it ends
         with what it has."""
         req.finish, req.finished_at = "unservable", self.clock()
+        self.grammars.release(req.id, self.tick_timeout)
 
     def _preempt_newest(self) -> bool:
         """Give up the newest running lane's memory: retire it and queue its
@@ -448,8 +465,10 @@ class Planner:
             self.seeds.published(tokens)
         self.stats.leases = self.seeds.leases
         for tag in d.retires:
-            self.lanes.pop(tag, None)
+            lane = self.lanes.pop(tag, None)
             self.retire_next.discard(tag)
+            if lane is not None and lane.request.done and lane.request.grammar:
+                self.grammars.release(lane.request.id, self.tick_timeout)
         if d.retires:
             self._admit_cap = None  # memory came back: admit as the limits allow again
         for tag, offer in d.prefills.items():
@@ -517,6 +536,8 @@ class Planner:
     def _finish_reason(self, req: Request, emit: LaneEmit, tokens: list[int]) -> str | None:
         if emit.finish == Finish.EOS or (req.stop_at_eos and tokens and tokens[-1] in self.eos):
             return "eos"
+        if emit.finish == Finish.GRAMMAR:
+            return "grammar"  # the grammar is complete
         if emit.finish == Finish.LENGTH:
             return "length"
         if len(req.generated) >= req.max_new_tokens:
@@ -537,6 +558,7 @@ class Planner:
         self.retire_next.clear()
         self._evict, self._admit_cap = False, None  # a fresh worker: empty cache, free memory
         self.seeds.forget()  # and no leases: nothing here may lean on them
+        self.grammars.forget()  # nor grammars: each is registered again at its next admission
         for req in self.requests.values():
             req.seed, req.no_seed = None, False
         self.waiting.extendleft(reversed(again))

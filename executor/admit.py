@@ -63,6 +63,10 @@ class AdmitPhase:
             lane.ignore_eos = bool(a.params.flags & _IGNORE_EOS)
             lane.engine_ok = (desc.engine_sampling and a.sampling != _HOST and (lane.greedy or desc.engine_draws)
                               and bias is None and not hs.penalizes(a.params) and lane.logprobs_top is None)
+            cursor = self.verdict.cursors.get(a.lane_tag)
+            if cursor is not None:  # the check replayed it; the lane borrows the grammar until its end
+                ex.grammars.borrow(a.grammar_handle, a.lane_tag)
+                lane.grammar_handle, lane.grammar = a.grammar_handle, cursor
             self.admit_results.append(AdmitResult(lane_tag=a.lane_tag, status=1, reject_code=0, cert_id=0,
                                                   granted_class=granted))
             if use is None:

@@ -36,6 +36,7 @@ class Verdict:
     evict: list[CacheEntry]  # entries that leave the pool to make room
     unpublish: set[int]  # publishing retires that free instead, to make room
     cells_after: dict[int, int]  # each prefilled or decoded lane's cells at the end, at most
+    cursors: dict  # grammar admits by lane tag: the matcher that replayed grammar_replay
 
 
 def reject(status: Status, field: str, message: str) -> PlanReject:
@@ -58,7 +59,8 @@ def check(ex, plan: TickPlan) -> Verdict:
         raise reject(Status.RejectIllegalCombination, "TickPlan.admits", "admits in a DRAIN plan")
     ex.sweep_leases()
     # Each step runs where its list has something to check (an empty list passes every rule).
-    prompts, seeds = _admits(ex, plan) if plan.admits else ({}, {})
+    cursors: dict = {}
+    prompts, seeds = _admits(ex, plan, cursors) if plan.admits else ({}, {})
     if plan.commits:
         _commits(ex, plan)
     reached = _prefills(ex, plan, prompts, seeds) if plan.prefills else {}
@@ -67,7 +69,7 @@ def check(ex, plan: TickPlan) -> Verdict:
         _retires(ex, plan)
     evict, unpublish, cells_after = check_memory(ex, plan, reached, rounds, seeds)
     _events_fit(ex, plan)
-    return Verdict(plan, prompts, seeds, evict, unpublish, cells_after)
+    return Verdict(plan, prompts, seeds, evict, unpublish, cells_after, cursors)
 
 
 def admit_of(plan: TickPlan, tag: int) -> LaneAdmit | None:
@@ -77,11 +79,12 @@ def admit_of(plan: TickPlan, tag: int) -> LaneAdmit | None:
     return None
 
 
-def _admits(ex, plan: TickPlan) -> tuple[dict[int, list[int]], dict[int, SeedUse]]:
+def _admits(ex, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], dict[int, SeedUse]]:
     desc = ex.desc
     prompts: dict[int, list[int]] = {}
     seeds: dict[int, SeedUse] = {}
     seen: dict[int, int] = {}  # seed handle -> the admit that uses it
+    grammars: dict[int, int] = {}  # grammar handle -> the admit that uses it
     for i, a in enumerate(plan.admits):
         f = f"admits[{i}]"
         if a.lane_tag in ex.lanes:
@@ -105,9 +108,8 @@ def _admits(ex, plan: TickPlan) -> tuple[dict[int, list[int]], dict[int, SeedUse
             raise reject(Status.RejectIllegalCombination, f"{f}.strategy_slot",
                          f"no strategy is installed in slot {a.strategy_slot}")
         if a.grammar_handle:
-            raise reject(Status.RejectIllegalCombination, f"{f}.grammar_handle",
-                         f"grammar {a.grammar_handle} is not registered")
-        if a.grammar_replay:
+            cursors[a.lane_tag] = _grammar(ex, plan, a, prompt, grammars, i, f)
+        elif a.grammar_replay:
             raise reject(Status.RejectIllegalCombination, f"{f}.grammar_replay", "grammar_replay without a grammar")
         if a.logit_bias_handle and a.logit_bias_handle not in ex.biases:
             raise reject(Status.RejectIllegalCombination, f"{f}.logit_bias_handle",
@@ -123,6 +125,34 @@ def _admits(ex, plan: TickPlan) -> tuple[dict[int, list[int]], dict[int, SeedUse
             raise reject(Status.RejectBudget, f"{f}.prompt", f"{prompt.size} tokens > max_seq_len {desc.max_seq_len}")
         prompts[a.lane_tag] = tokens
     return prompts, seeds
+
+
+def _grammar(ex, plan: TickPlan, a: LaneAdmit, prompt, seen: dict[int, int], i: int, f: str):
+    """Step 4's grammar rules, in order; the cursor that replayed the prompt's tail."""
+    h = a.grammar_handle
+    reg = ex.grammars
+    if h not in reg:
+        raise reject(Status.RejectIllegalCombination, f"{f}.grammar_handle", f"grammar {h} is not registered")
+    if h in seen:
+        raise reject(Status.RejectIllegalCombination, f"{f}.grammar_handle",
+                     f"grammar {h} is used by admits[{seen[h]}] already")
+    seen[h] = i
+    if a.sampling == Sampling.HOST:
+        raise reject(Status.RejectIllegalCombination, f"{f}.grammar_handle",
+                     "a grammar constrains the engine's sampling: not with HOST")
+    borrower = reg.borrower(h)
+    if borrower is not None and borrower not in retiring_live(ex, plan):
+        raise reject(Status.RejectIllegalCombination, f"{f}.grammar_handle",
+                     f"grammar {h} is borrowed by lane {borrower} (one lane at a time)")
+    if a.grammar_replay > prompt.size:
+        raise reject(Status.RejectIllegalCombination, f"{f}.grammar_replay",
+                     f"{a.grammar_replay} > the prompt's {prompt.size} tokens")
+    tail = prompt[prompt.size - a.grammar_replay:].tolist() if a.grammar_replay else []
+    cursor = reg.cursor(h, tail)
+    if cursor is None:
+        raise reject(Status.RejectIllegalCombination, f"{f}.grammar_replay",
+                     f"grammar {h} refuses the last {a.grammar_replay} prompt tokens")
+    return cursor
 
 
 def _seed_use(ex, a: LaneAdmit, prompt: list[int], f: str) -> SeedUse:

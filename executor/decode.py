@@ -10,7 +10,8 @@ import numpy as np
 
 from superfluid.abi import Fault, Finish, Sampling, Status, TickStatus
 from superfluid.abi.records import LaneEmit, LaneLogprob, RingRef, ShedReport, TickEvents, TickTimings
-from superfluid.engine.runtime import CapacityError, FatalError, Feed, LaneFault, RuntimeFailure, SampleSpec
+from superfluid.engine.runtime import (CapacityError, FatalError, Feed, LaneFault, RuntimeFailure, SampleSpec,
+                                      TokenMasks)
 from superfluid.executor import sampling as hs
 from superfluid.executor.lanes import Lane, PendingRow
 from superfluid.rings.errors import RefError
@@ -19,6 +20,7 @@ _HOST = int(Sampling.HOST)
 _OK, _TICK_OK, _TICK_SHED, _TICK_LANE_ERRORS = int(Status.OK), int(TickStatus.OK), int(TickStatus.SHED), \
     int(TickStatus.LANE_ERRORS)
 _FINISH_NONE = int(Finish.NONE)
+_GRAMMAR_OVERFLOW = int(Fault.GRAMMAR_OVERFLOW)
 # TickEvents is built positionally every tick (keywords cost a microsecond); this pins the order.
 assert TickEvents._fields == ("struct_size", "plan_seq", "status", "tick_status", "admit_results", "emits", "faults",
                               "shed", "op_completions", "logprobs", "message", "timings", "mem", "worker_epoch")
@@ -131,6 +133,20 @@ class DecodePhase:
         lane.finished = True
         remaining.pop(lane.tag, None)
 
+    def _grammar_masks(self, tags: list[int], remaining: dict[int, int]) -> dict[int, np.ndarray]:
+        """The next-token masks of these grammar lanes, all in one parallel
+        fill (SPEC §5: the mask comes first); a lane whose matcher is in
+        error faults GRAMMAR_OVERFLOW, the others go on."""
+        if not tags:
+            return {}
+        reg = self.ex.grammars
+        bits = reg.bitmask(len(tags))
+        bad = reg.fill([(self.ex.lanes[tag].grammar, j) for j, tag in enumerate(tags)], bits)
+        for j in bad:
+            self.fault(tags[j], _GRAMMAR_OVERFLOW)
+            remaining.pop(tags[j], None)
+        return {tag: bits[j] for j, tag in enumerate(tags) if tag not in self.faulted_now}
+
     def _rounds(self, round_: list[tuple[int, int]], remaining: dict[int, int]) -> None:
         ex, rt = self.ex, self.rt
         desc = ex.desc
@@ -138,6 +154,13 @@ class DecodePhase:
         max_len = desc.max_seq_len
         picked: dict[int, int] = {}
         while True:
+            # Grammar lanes of this round: those feeding a token, and those with a row to pick from.
+            need = [tag for tag, _ in round_ if ex.lanes[tag].grammar is not None]
+            need += [tag for tag in self.rows if tag in remaining and tag in ex.lanes
+                     and ex.lanes[tag].grammar is not None]
+            masks = self._grammar_masks(need, remaining) if need else {}
+            if len(masks) < len(need):
+                round_ = [(tag, tok) for tag, tok in round_ if tag not in self.faulted_now]
             for i in range(0, len(round_), max(1, desc.max_batch)):
                 chunk = round_[i:i + max(1, desc.max_batch)]
                 lanes = [ex.lanes[tag] for tag, _ in chunk]
@@ -145,8 +168,10 @@ class DecodePhase:
                 tags = [tag for tag, _ in chunk]
                 specs = [self._engine_spec(ln) for ln in lanes]
                 if all(s is not None for s in specs):
+                    masked = [k for k, tag in enumerate(tags) if tag in masks] if masks else []
+                    tm = TokenMasks(np.stack([masks[tags[k]] for k in masked]), masked) if masked else None
                     try:
-                        toks = rt.step_sampled(feeds, specs)
+                        toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
                     except RuntimeFailure as e:
                         code = lane_fault_code(e)
                         if code is None:
@@ -178,6 +203,7 @@ class DecodePhase:
                     continue
                 if tag in picked:
                     token = int(picked.pop(tag))
+                    masks.pop(tag, None)
                 else:
                     row = self.rows.pop(tag)
                     if lane.sampling == _HOST:
@@ -189,7 +215,11 @@ class DecodePhase:
                             continue
                         lane.pending_row = PendingRow(ex._fresh_nonce(), ref)
                         continue
-                    token = self._host_pick(lane, row)
+                    token = self._host_pick(lane, row, masks.pop(tag, None))
+                if lane.grammar is not None and not lane.grammar.accept(token):
+                    self.fault(tag, _GRAMMAR_OVERFLOW)  # a token its mask should not have allowed
+                    remaining.pop(tag, None)
+                    continue
                 lane.committed.append(token)
                 lane.rng_counter += 1
                 out = self.out_tokens[tag]
@@ -200,6 +230,8 @@ class DecodePhase:
                 lane.pending_input = token
                 if token in eos and not lane.ignore_eos:
                     self._finish(lane, Finish.EOS, remaining)
+                elif lane.grammar is not None and lane.grammar.is_complete():
+                    self._finish(lane, Finish.GRAMMAR, remaining)
                 elif len(lane.committed) >= max_len:
                     self._finish(lane, Finish.LENGTH, remaining)
                 elif remaining[tag] == 0:
@@ -215,7 +247,7 @@ class DecodePhase:
                     remaining.pop(tag, None)
                 break
 
-    def _host_pick(self, lane: Lane, row: np.ndarray) -> int:
+    def _host_pick(self, lane: Lane, row: np.ndarray, mask: np.ndarray | None = None) -> int:
         ex = self.ex
         exempt = frozenset()
         if hs.penalizes(lane.params):
@@ -224,7 +256,7 @@ class DecodePhase:
                 ex.penalty_exempt = frozenset(v.specials.values()) | frozenset(v.eos)
             exempt = ex.penalty_exempt
         token, lp = hs.pick(row, lane.sampling, lane.params, lane.position, bias=lane.bias, history=lane.committed,
-                            exempt=exempt, want_logprobs=0 if lane.logprobs_top is None else lane.logprobs_top + 1)
+                            exempt=exempt, mask=mask, want_logprobs=0 if lane.logprobs_top is None else lane.logprobs_top + 1)
         if lp is not None:
             idx = len(self.out_tokens[lane.tag])
             self.logprobs.append(LaneLogprob(lane_tag=lane.tag, token_id=token, logprob=lp.logprob,

@@ -138,6 +138,8 @@ class RetirePhase:
                 continue
             lane = ex.lanes.pop(tag)
             ex.inject_fault.pop(tag, None)
+            if lane.grammar_handle:
+                ex.grammars.give_back(lane.grammar_handle, tag)
             if publish and tag in unpublish:
                 # Evicted before it was kept, to make room for this plan.
                 self._shed_entry(0, ShedReason.MEMORY, ex.entry_bytes(lane.ingested), lane.ingested)
@@ -188,6 +190,8 @@ class Tick(AdmitPhase, DecodePhase, RetirePhase):
         self.ex.last_fault = (tag, int(code))
         lane = self.ex.lanes.pop(tag, None)
         if lane is not None:
+            if lane.grammar_handle:
+                self.ex.grammars.give_back(lane.grammar_handle, tag)
             self.free(lane.seq, "freeing a faulted lane")
             self.ex.faulted.keep(lane)  # its tag, and what LIST_LANES shows of it
         self.ex.inject_fault.pop(tag, None)
