@@ -13,7 +13,10 @@ one daemon. The format:
                    "params": {"temperature": 0.9, "top_k": 50, "top_p": 0.9,
                               "min_p": 0, "repeat_penalty": 0,
                               "presence_penalty": 0, "freq_penalty": 0},
-                   "rng_base": 0, "stop_at_eos": true, "publish": true}],
+                   "rng_base": 0, "stop_at_eos": true, "publish": true,
+                   "grammar": {"kind": "json_schema" | "regex" | "lark" | "gbnf",
+                               "text": "..."} | {"kind": "choice",
+                               "choices": ["a", "b"]}}],              (not with host)
      "kill_worker_after_tokens": null}
 
 Every key but "prompt" and "max_new_tokens" may be left out (the values
@@ -22,7 +25,7 @@ N: once the requests hold N tokens, SIGKILL the worker (a fault-injection
 run: the daemon restarts it and the planner recovers).
 
 Results: {"results": [{"id": 1, "tokens": [...], "finish": "eos" |
-"length" | "max_tokens" | "unservable", "admissions": 1}, ...] (in request
+"grammar" | "length" | "max_tokens" | "unservable", "admissions": 1}, ...] (in request
 order), "stats": {"ticks", "restarts", "seeded_tokens", "leases", "tokens",
 "killed"}}.
 
@@ -113,11 +116,19 @@ def load(workload: dict) -> tuple[dict, list[dict]]:
             if name not in HOST_SAMPLERS:
                 raise ValueError(f"{where}.host_sampler = {name!r}: one of {', '.join(HOST_SAMPLERS)}")
             host = HOST_SAMPLERS[name]
+        grammar = None
+        g = r.get("grammar")
+        if g is not None:
+            if not isinstance(g, dict) or "kind" not in g:
+                raise ValueError(f"{where}.grammar: an object with kind and text (or choices)")
+            grammar = (g["kind"], _field(g, "choices" if g["kind"] == "choice" else "text", f"{where}.grammar"))
+            if sampling == "host":
+                raise ValueError(f"{where}.grammar: not with host sampling")
         reqs.append(dict(prompt_tokens=[int(t) for t in _field(r, "prompt", where)],
                          max_new_tokens=int(_field(r, "max_new_tokens", where)), sampling=_SAMPLING[sampling],
                          params=sampling_params(**{k: params[k] for k in params}),
                          rng_base=int(r.get("rng_base", 0)) & _M64, publish=bool(r.get("publish", True)),
-                         host_sampler=host, stop_at_eos=bool(r.get("stop_at_eos", True))))
+                         host_sampler=host, stop_at_eos=bool(r.get("stop_at_eos", True)), grammar=grammar))
     return opts, reqs
 
 
