@@ -2,7 +2,8 @@
 
 It starts a daemon on the embedded tiny model (written from a seed; nothing
 is downloaded), drives a mixed workload through the reference planner —
-shared system prompts, greedy, sampled and host-sampled lanes — once
+shared system prompts, greedy, sampled and host-sampled lanes, and lanes
+whose output a JSON schema constrains (llguidance) — once
 uninterrupted and once with the worker killed (SIGKILL) mid-run, checks that
 every request's tokens are the same bitwise, prints a summary, and shuts
 everything down.
@@ -11,6 +12,7 @@ everything down.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -35,6 +37,26 @@ QUESTIONS = (
 )
 
 
+# One class of the demo's requests answers in this shape, whatever the model.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence", "section"],
+          "properties": {"answer": {"type": "string", "maxLength": 12},
+                         "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+                         "section": {"enum": ["3", "4", "5", "6", "9", "10"]}}}
+
+
+def _valid(tokens: list[int]) -> dict | None:
+    """The parsed answer if it is the schema's shape (the checks the schema states)."""
+    try:
+        v = json.loads(bytes(t for t in tokens if t < 256).decode())
+    except ValueError:
+        return None
+    props = SCHEMA["properties"]
+    ok = (isinstance(v, dict) and set(v) == set(SCHEMA["required"]) and isinstance(v["answer"], str)
+          and len(v["answer"]) <= props["answer"]["maxLength"] and type(v["confidence"]) is int
+          and 0 <= v["confidence"] <= 100 and v["section"] in props["section"]["enum"])
+    return v if ok else None
+
+
 def _tokens(text: str, vocab: int) -> list[int]:
     # The tiny model's tokenizer is byte-level: ids 0..255 are the bytes.
     return [b % vocab for b in text.encode()]
@@ -46,11 +68,13 @@ def workload(vocab: int, n: int, seed: int = 7) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         prompt = _tokens(SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)] + QUESTIONS[rng.randrange(len(QUESTIONS))], vocab)
-        mode = (Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST)[i % 3]
+        json_lane = i % 4 == 3
+        mode = Sampling.GPU_SAMPLE if json_lane else (Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST)[i % 3]
         params = SamplingParams() if mode == Sampling.GPU_GREEDY else SamplingParams(
             temperature=0.8, top_k=40, top_p=0.95, min_p=0.02)
-        out.append(dict(prompt=prompt, max_new_tokens=rng.randrange(24, 64), sampling=mode, params=params,
-                        rng_base=1000 * (i + 1)))
+        out.append(dict(prompt=prompt, max_new_tokens=96 if json_lane else rng.randrange(24, 64), sampling=mode,
+                        params=params, rng_base=1000 * (i + 1),
+                        grammar=("json_schema", json.dumps(SCHEMA)) if json_lane else None))
     return out
 
 
@@ -98,7 +122,7 @@ def _run(name: str, reqs: list[dict[str, Any]], label: str, kill_after_tokens: i
         for r in reqs:
             host = _host_sampler(r["params"]) if r["sampling"] == Sampling.HOST else None
             ids.append(planner.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"],
-                                      rng_base=r["rng_base"], host_sampler=host))
+                                      rng_base=r["rng_base"], host_sampler=host, grammar=r["grammar"]))
         bar = _Progress(len(ids), label)
         start = time.monotonic()
         killed = False
@@ -156,11 +180,14 @@ def run(*, requests: int = 24, model: str | None = None, backend: str = "torch",
         print(f"  {n}; the daemon restarted it, the planner re-admitted every lane with its replay", file=out)
     same = [i for i in first if first[i] == second[i]]
     s = rep.stats
-    by_mode = {m: sum(1 for r in reqs if r["sampling"] == m) for m in Sampling}
+    by_mode = {m: sum(1 for r in reqs if r["sampling"] == m and not r["grammar"]) for m in Sampling}
+    schema_lanes = [i for i, r in enumerate(reqs) if r["grammar"]]
+    answers = [_valid(second[i]) for i in schema_lanes]
     print("\nsummary (the run with the kill):", file=out)
     print(_table([
         ("requests", f"{len(reqs)} ({by_mode[Sampling.GPU_GREEDY]} greedy, {by_mode[Sampling.GPU_SAMPLE]} sampled, "
-                     f"{by_mode[Sampling.HOST]} host-sampled; {len(SYSTEM_PROMPTS)} shared system prompts)"),
+                     f"{by_mode[Sampling.HOST]} host-sampled, {len(schema_lanes)} under a JSON schema; "
+                     f"{len(SYSTEM_PROMPTS)} shared system prompts)"),
         ("tokens", f"{s.tokens}"),
         ("tokens/s", f"{s.tokens_per_s:.1f} (uninterrupted: {base.stats.tokens_per_s:.1f})"),
         ("TTFT p50 / p99", f"{1e3 * (s.ttft_p50_s or 0):.1f} ms / {1e3 * (s.ttft_p99_s or 0):.1f} ms"),
@@ -169,8 +196,10 @@ def run(*, requests: int = 24, model: str | None = None, backend: str = "torch",
         ("sheds", f"{s.prefill_chunks_shed} prefill chunks ({s.prefill_tokens_shed} tokens), {s.evictions} evictions"),
         ("restarts", f"{s.restarts}"),
         ("recovered == uninterrupted", f"{len(same)}/{len(first)} requests bitwise equal"),
+        ("JSON-schema answers", f"{sum(a is not None for a in answers)}/{len(answers)} valid"
+                                + (f", e.g. {json.dumps(answers[0])}" if answers and answers[0] else "")),
     ]), file=out)
-    ok = len(same) == len(first) and s.restarts >= 1
+    ok = len(same) == len(first) and s.restarts >= 1 and all(a is not None for a in answers)
     leftover = [f for f in os.listdir(os.environ.get("SUPERFLUID_SHM_DIR", "/dev/shm"))
                 if f.startswith(f"superfluid.{name}.")]
     print(f"\n{'OK' if ok else 'MISMATCH'}: daemon stopped, {len(leftover)} segment(s) left behind", file=out)

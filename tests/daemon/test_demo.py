@@ -4,6 +4,7 @@ outputs bitwise equal to the uninterrupted run, nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,4 +26,7 @@ def test_demo_recovers_bitwise_and_cleans_up(shm_dir):
     rates = re.search(r"tokens/s\s+([\d.]+) \(uninterrupted: ([\d.]+)\)", out)
     assert rates and float(rates[1]) > 0 and float(rates[2]) > 0, out
     assert "OK: daemon stopped, 0 segment(s) left behind" in out, out
+    # one class under a JSON schema: every answer valid, one printed parsed
+    m = re.search(r"JSON-schema answers\s+(\d+)/(\d+) valid, e\.g\. (\{.*\})", out)
+    assert m and m[1] == m[2] != "0" and set(json.loads(m[3])) == {"answer", "confidence", "section"}, out
     assert not [f for f in os.listdir(shm_dir) if f.startswith("superfluid.demo-")]
