@@ -112,12 +112,12 @@ extern "C" {
 #define SF_FINISH_NONE 0     /* not finished: it may decode again */
 #define SF_FINISH_EOS 1      /* sampled an eos id, emitted as its last token; never a HOST lane */
 #define SF_FINISH_LENGTH 2   /* the sequence reached max_seq_len cells */
-#define SF_FINISH_GRAMMAR 3  /* the grammar completed (no grammars yet: never) */
+#define SF_FINISH_GRAMMAR 3  /* the grammar completed: only EOS could follow (EOS wins over it) */
 
 /* ------------------------------------------------------- LaneFault.code */
 #define SF_FAULT_OOM_TENTATIVE 1   /* the runtime ran out of cells */
 #define SF_FAULT_INTERNAL 2        /* a runtime error that is the lane's */
-#define SF_FAULT_GRAMMAR_OVERFLOW 3
+#define SF_FAULT_GRAMMAR_OVERFLOW 3 /* the lane's grammar matcher failed (a mask or an accept) */
 #define SF_FAULT_REF_SPAN_OOB 4    /* the emit did not fit the token ring */
 #define SF_FAULT_INJECTED 5        /* op INJECT_FAULT */
 
@@ -210,8 +210,12 @@ extern "C" {
  *   handle = the grammar, for LaneAdmit.grammar_handle; value = compile time in microseconds.
  *   BadRequest: a field, or a grammar the library refuses (its message); Unsupported: the runtime
  *   has no tokenizer (checked before the fields); Capacity: 1024 grammars are registered.
- *   A grammar is borrowed by one lane at a time. Until admits take grammars (issue 13), an
- *   admit with grammar_handle or grammar_replay != 0 is RejectIllegalCombination.
+ *   An admit borrows it (SPEC §3 step 4; else RejectIllegalCombination): registered, named by
+ *   one admit of the plan, not with HOST sampling, borrowed by no live lane (one retired in the
+ *   same plan gives it back first), and its fresh matcher takes the prompt's last
+ *   grammar_replay tokens (a re-admit after a restart: grammar_replay = tokens generated). The
+ *   lane's rows are masked first (SPEC §5) on the engine's sampling path; its retire or fault
+ *   gives the grammar back.
  * RELEASE_GRAMMAR  handle u64 > 0 (required). Unregisters it at once, borrowed or not: a lane
  *   admitted with it keeps its grammar to its end; later admits naming it are refused.
  *   handle = it. UnknownHandle: no such grammar.
