@@ -21,7 +21,7 @@ from tests.daemon.test_daemon import Serve
 
 ROOT = Path(__file__).resolve().parents[2]
 CRATE = ROOT / "client" / "rust"
-TESTS = 9  # unit 2, tests/live.rs 3, tests/planner.rs 4
+TESTS = 12  # unit 3, tests/live.rs 3, tests/planner.rs 4, tests/grammar.rs 2
 
 
 def test_the_generated_bindings_match_the_header():

@@ -29,7 +29,13 @@ impl Planner {
         }
         self.stats.leases = self.seeds.leases;
         for tag in &d.retires {
-            self.lanes.retain(|l| l.tag != *tag);
+            if let Some(k) = self.lanes.iter().position(|l| l.tag == *tag) {
+                let id = self.lanes.remove(k).req;
+                let r = &self.requests[id];
+                if r.finish.is_some() && r.spec.grammar.is_some() {
+                    self.grammars.release(&mut self.conn, id, self.opts.tick_timeout)?;
+                }
+            }
             self.retire_next.remove(tag);
         }
         if !d.retires.is_empty() {
@@ -121,6 +127,8 @@ impl Planner {
         let last_eos = tokens.last().map_or(false, |t| eos.contains(t));
         let reason = if emit.finish == SF_FINISH_EOS || (req.spec.stop_at_eos && last_eos) {
             Some(Finish::Eos)
+        } else if emit.finish == SF_FINISH_GRAMMAR {
+            Some(Finish::Grammar) // the grammar is complete
         } else if emit.finish == SF_FINISH_LENGTH {
             Some(Finish::Length)
         } else if req.generated.len() >= req.spec.max_new_tokens {

@@ -1,11 +1,13 @@
 //! The planner's side of a superfluid worker, from Rust: the records and
 //! functions of `abi/superfluid.h` (`abi`, generated), a connection that
 //! follows the header's session protocol (`Connection`), typed ops, and the
-//! reference planner (`Planner`, as client/planner.py).
+//! reference planner (`Planner`, as client/planner.py; its grammars as
+//! client/grammars.py).
 pub mod abi;
 mod absorb;
 mod connection;
 mod events;
+mod grammars;
 mod ops;
 mod plan;
 mod planner;
@@ -14,6 +16,7 @@ pub mod workload;
 
 pub use connection::{Connection, SPIN_NS};
 pub use events::{Completion, Error, Events, Message, Shed};
+pub use grammars::{Grammar, GrammarBook};
 pub use ops::{Describe, HeldLane, RuntimeInfo, Seed};
 pub use plan::{params, Admit, LogitsRow, Plan};
 pub use planner::{Finish, HostSampler, Options, Planner, Request, RequestSpec, Stats};

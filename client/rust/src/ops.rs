@@ -6,6 +6,7 @@
 use crate::abi::*;
 use crate::connection::{Connection, SPIN_NS};
 use crate::events::{Completion, Error};
+use crate::grammars::Grammar;
 use core::mem::size_of;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -84,6 +85,15 @@ struct RetireFields<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     session: Option<u64>,
     publish: bool,
+}
+
+#[derive(Serialize)]
+struct GrammarFields<'a> {
+    kind: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    choices: Option<&'a [String]>,
 }
 
 fn none() -> HashMap<String, u8> {
@@ -168,6 +178,24 @@ impl Connection {
         let mut f = HashMap::new();
         f.insert("handle", handle);
         self.op("RELEASE_SEED", &f, timeout)?.ok("RELEASE_SEED").map(|_| ())
+    }
+
+    /// REGISTER_GRAMMAR: the handle for LaneAdmit.grammar_handle. A grammar
+    /// the worker refuses is `Error::Op` with its message (BadRequest: the
+    /// grammar library's; Unsupported: a runtime without a tokenizer).
+    pub fn register_grammar(&mut self, g: &Grammar, timeout: Duration) -> Result<u64, Error> {
+        let f = match g {
+            Grammar::Text { kind, text } => GrammarFields { kind, text: Some(text), choices: None },
+            Grammar::Choice(choices) => GrammarFields { kind: "choice", text: None, choices: Some(choices) },
+        };
+        Ok(self.op("REGISTER_GRAMMAR", &f, timeout)?.ok("REGISTER_GRAMMAR")?.handle)
+    }
+
+    /// RELEASE_GRAMMAR (UnknownHandle: no such grammar).
+    pub fn release_grammar(&mut self, handle: u64, timeout: Duration) -> Result<(), Error> {
+        let mut f = HashMap::new();
+        f.insert("handle", handle);
+        self.op("RELEASE_GRAMMAR", &f, timeout)?.ok("RELEASE_GRAMMAR").map(|_| ())
     }
 
     /// Every lane the worker holds, any session's (LIST_LANES, paged).

@@ -67,6 +67,13 @@ impl Admit {
         self.0.determinism_class = class;
         self
     }
+    /// A registered grammar's handle; its fresh matcher first consumes the
+    /// prompt's last `replay` tokens (what a re-admitted lane generated).
+    pub fn grammar(mut self, handle: u64, replay: u32) -> Self {
+        self.0.grammar_handle = handle;
+        self.0.grammar_replay = replay;
+        self
+    }
     pub fn logprobs(mut self, n: u32) -> Self {
         self.0.want_logprobs = n;
         self

@@ -4,10 +4,14 @@
 //! decode grants), send, shrink on NeedsReplan, absorb the events. When the
 //! worker dies, reconnect and re-admit every unfinished request with its
 //! prompt plus what it generated, replayed by decode, draws resuming at
-//! rng_base + tokens sampled: the request goes on exactly where it was.
+//! rng_base + tokens sampled: the request goes on exactly where it was. A
+//! constrained request's grammar is registered when it is submitted and
+//! released when it is done (GrammarBook); a re-admission replays what it
+//! generated into a fresh matcher too.
 use crate::abi::*;
 use crate::connection::Connection;
 use crate::events::{Error, Events};
+use crate::grammars::{Grammar, GrammarBook};
 use crate::ops::Seed;
 use crate::plan::{Admit, LogitsRow, Plan};
 use crate::seeds::SeedBook;
@@ -23,6 +27,8 @@ const EVICT_ALL: u64 = 1 << 62; // max_evict_bytes when the planner lets the cac
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
     Eos,
+    /// The grammar is complete.
+    Grammar,
     Length,
     MaxTokens,
     /// The worker's memory cannot hold it even alone.
@@ -33,6 +39,7 @@ impl Finish {
     pub fn as_str(self) -> &'static str {
         match self {
             Finish::Eos => "eos",
+            Finish::Grammar => "grammar",
             Finish::Length => "length",
             Finish::MaxTokens => "max_tokens",
             Finish::Unservable => "unservable",
@@ -50,6 +57,8 @@ pub struct RequestSpec {
     pub publish: bool,
     pub stop_at_eos: bool,
     pub host_sampler: Option<HostSampler>,
+    /// The output follows it (not with HOST sampling).
+    pub grammar: Option<Grammar>,
 }
 
 impl std::fmt::Debug for RequestSpec {
@@ -57,7 +66,8 @@ impl std::fmt::Debug for RequestSpec {
         f.debug_struct("RequestSpec").field("prompt", &self.prompt).field("max_new_tokens", &self.max_new_tokens)
             .field("sampling", &self.sampling).field("params", &self.params).field("rng_base", &self.rng_base)
             .field("publish", &self.publish).field("stop_at_eos", &self.stop_at_eos)
-            .field("host_sampler", &self.host_sampler.as_ref().map(|_| "callback")).finish()
+            .field("host_sampler", &self.host_sampler.as_ref().map(|_| "callback"))
+            .field("grammar", &self.grammar).finish()
     }
 }
 
@@ -65,7 +75,7 @@ impl RequestSpec {
     /// Greedy, published to the cache, stopping at EOS.
     pub fn new(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
         RequestSpec { prompt, max_new_tokens, sampling: SF_SAMPLING_GPU_GREEDY, params: crate::plan::params(0.0),
-                      rng_base: 0, publish: true, stop_at_eos: true, host_sampler: None }
+                      rng_base: 0, publish: true, stop_at_eos: true, host_sampler: None, grammar: None }
     }
 }
 
@@ -151,6 +161,7 @@ pub struct Planner {
     pub(crate) lanes: Vec<Lane>, // in admission order (prefill runs in this order)
     pub(crate) retire_next: BTreeSet<u64>, // faulted, preempted or orphaned tags
     pub(crate) seeds: SeedBook,
+    pub grammars: GrammarBook,
     max_lanes: usize,
     evict: bool,
     pub(crate) admit_cap: Option<usize>,
@@ -167,7 +178,8 @@ impl Planner {
         let max_lanes = opts.max_lanes.filter(|&n| n > 0).unwrap_or(max_batch).min(max_batch);
         let seeds = SeedBook::new(desc.runtime.page, desc.runtime.exact_only);
         Ok(Planner { conn, opts, eos: desc.eos, requests: Vec::new(), stats: Stats::default(),
-                     waiting: VecDeque::new(), lanes: Vec::new(), retire_next: BTreeSet::new(), seeds, max_lanes,
+                     waiting: VecDeque::new(), lanes: Vec::new(), retire_next: BTreeSet::new(), seeds,
+                     grammars: GrammarBook::default(), max_lanes,
                      evict: false, admit_cap: None })
     }
 
@@ -176,7 +188,9 @@ impl Planner {
         &self.requests[id - 1]
     }
 
-    /// Queue a request; its id (1, 2, ...: `request(id)`).
+    /// Queue a request; its id (1, 2, ...: `request(id)`). A grammar is
+    /// compiled by the worker now: one it refuses is `Error::Op` with the
+    /// worker's message (REGISTER_GRAMMAR: BadRequest), and nothing is queued.
     pub fn submit(&mut self, mut spec: RequestSpec) -> Result<usize, Error> {
         if spec.prompt.is_empty() || spec.max_new_tokens < 1 {
             return Err(Error::Bounds("a request needs a prompt and max_new_tokens >= 1".into()));
@@ -184,10 +198,19 @@ impl Planner {
         if spec.sampling == SF_SAMPLING_HOST && spec.host_sampler.is_none() {
             return Err(Error::Bounds("a HOST request needs a host_sampler(row, position) -> token".into()));
         }
+        if let Some(g) = &spec.grammar {
+            g.check()?;
+            if spec.sampling == SF_SAMPLING_HOST {
+                return Err(Error::Bounds("a grammar constrains the engine's sampling: not with HOST".into()));
+            }
+        }
         if !spec.stop_at_eos {
             spec.params.flags |= SF_PARAM_IGNORE_EOS;
         }
         let id = self.requests.len() + 1;
+        if let Some(g) = &spec.grammar {
+            self.grammars.handle(&mut self.conn, id - 1, g, self.opts.tick_timeout)?;
+        }
         self.requests.push(Request { id, spec, generated: Vec::new(), finish: None, admissions: 0, seed: None,
                                      no_seed: false });
         self.waiting.push_back(id - 1);
@@ -252,13 +275,13 @@ impl Planner {
                 self.evict = true;
             } else if d.admits.len() == 1 && self.lanes.is_empty() {
                 let id = self.waiting.pop_front().unwrap();
-                self.requests[id].finish = Some(Finish::Unservable);
+                self.refuse(id)?; // alone on an idle worker, it still does not fit
             } else if !d.admits.is_empty() {
                 max_admits = Some(d.admits.len() / 2);
                 self.admit_cap = max_admits;
             } else if publish && self.lanes.iter().any(|l| l.retiring && self.requests[l.req].spec.publish) {
                 publish = false;
-            } else if self.preempt_newest() {
+            } else if self.preempt_newest()? {
                 max_admits = Some(0);
             } else {
                 return Err(ev.ok().err().unwrap());
@@ -344,6 +367,11 @@ impl Planner {
             let seed = self.seeds.lease(&mut self.conn, &tokens, self.opts.tick_timeout)?;
             self.requests[id].seed = seed;
         }
+        // The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
+        let grammar = match &self.requests[id].spec.grammar {
+            Some(g) => self.grammars.handle(&mut self.conn, id, g, self.opts.tick_timeout)?,
+            None => 0,
+        };
         let req = &self.requests[id];
         let value = req.seed.map_or(0, |s| s.value as usize);
         let r = self.conn.write_prompt(&tokens)?;
@@ -352,7 +380,8 @@ impl Planner {
             .rng_base(req.spec.rng_base.wrapping_add(sampled as u64))
             .replay(sampled as u32)
             .seed(req.seed.map_or(0, |s| s.handle))
-            .determinism(SF_CLASS_SEED_PATH_INVARIANT);
+            .determinism(SF_CLASS_SEED_PATH_INVARIANT)
+            .grammar(grammar, if grammar != 0 { sampled as u32 } else { 0 });
         d.plan.admit_with(&a);
         // A seed covers `value` tokens: prefill starts there, and so does decode's replay.
         let end = req.spec.prompt.len().max(value);
@@ -387,19 +416,26 @@ impl Planner {
         }
     }
 
+    /// A request the worker's memory cannot hold even alone: it ends with
+    /// what it has.
+    fn refuse(&mut self, id: usize) -> Result<(), Error> {
+        self.requests[id].finish = Some(Finish::Unservable);
+        self.grammars.release(&mut self.conn, id, self.opts.tick_timeout)
+    }
+
     /// Give up the newest running lane's memory; false: none to give up.
-    fn preempt_newest(&mut self) -> bool {
-        let Some(k) = self.lanes.iter().rposition(|l| !l.retiring) else { return false };
+    fn preempt_newest(&mut self) -> Result<bool, Error> {
+        let Some(k) = self.lanes.iter().rposition(|l| !l.retiring) else { return Ok(false) };
         let alone = self.lanes.iter().filter(|l| !l.retiring).count() == 1;
         let lane = self.lanes.remove(k);
         self.retire_next.insert(lane.tag);
         if alone {
-            self.requests[lane.req].finish = Some(Finish::Unservable);
+            self.refuse(lane.req)?;
         } else {
             self.waiting.push_back(lane.req);
             self.stats.preemptions += 1;
         }
-        true
+        Ok(true)
     }
 
     /// The worker is gone with every lane: wait for its replacement and
@@ -414,6 +450,7 @@ impl Planner {
         self.evict = false;
         self.admit_cap = None;
         self.seeds.forget();
+        self.grammars.forget(); // nor grammars: each is registered again at its next admission
         for r in &mut self.requests {
             r.seed = None;
             r.no_seed = false;

@@ -4,6 +4,7 @@
 use crate::abi::*;
 use crate::connection::Connection;
 use crate::events::Error;
+use crate::grammars::Grammar;
 use crate::planner::{HostSampler, Options, Planner, RequestSpec};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -55,6 +56,10 @@ pub struct WorkloadRequest {
     pub rng_base: Option<serde_json::Number>,
     pub stop_at_eos: Option<bool>,
     pub publish: Option<bool>,
+    /// {"kind": json_schema | regex | lark | gbnf, "text": ...} or
+    /// {"kind": "choice", "choices": [...]}; read by `specs` (not with host).
+    #[serde(default)]
+    pub grammar: Option<Value>,
 }
 
 fn splitmix64(x: u64) -> u64 {
@@ -89,6 +94,26 @@ pub fn host_perturb(row: &[f32], position: u64) -> u32 {
         let bits = splitmix64((position << 32).wrapping_add(i as u64)) >> 40;
         v + PERTURB_SCALE * (bits as f32 / (1u32 << 24) as f32)
     }))
+}
+
+/// A request's "grammar", as client/workload.py reads it (and
+/// client/grammars.py checks it), a bad one naming its field.
+fn grammar(g: &Value, where_: &str) -> Result<Grammar, Error> {
+    let bad = |m: &str| Error::Bounds(format!("{where_}.grammar{m}"));
+    let Some(kind) = g.as_object().and_then(|o| o.get("kind")) else {
+        return Err(bad(": an object with kind and text (or choices)"));
+    };
+    let kind = kind.as_str().ok_or_else(|| bad(".kind: a string"))?;
+    let field = if kind == "choice" { "choices" } else { "text" };
+    let v = g.get(field).ok_or_else(|| bad(&format!(".{field} is missing")))?;
+    if kind == "choice" {
+        let list = v.as_array().filter(|l| l.iter().all(Value::is_string));
+        let list = list.ok_or_else(|| bad(".choices: a choice grammar is a list of strings"))?;
+        Ok(Grammar::Choice(list.iter().map(|c| c.as_str().unwrap().to_string()).collect()))
+    } else {
+        let text = v.as_str().ok_or_else(|| bad(&format!(".text: a {kind} grammar is a string")))?;
+        Ok(Grammar::text(kind, text))
+    }
 }
 
 fn sampler(name: &str, at: usize) -> Result<HostSampler, Error> {
@@ -147,6 +172,12 @@ impl Workload {
             };
             s.stop_at_eos = r.stop_at_eos.unwrap_or(true);
             s.publish = r.publish.unwrap_or(true);
+            if let Some(g) = r.grammar.as_ref().filter(|g| !g.is_null()) {
+                s.grammar = Some(grammar(g, &format!("requests[{n}]"))?);
+                if s.sampling == SF_SAMPLING_HOST {
+                    return Err(Error::Bounds(format!("requests[{n}].grammar: not with host sampling")));
+                }
+            }
             Ok(s)
         }).collect()
     }
@@ -192,4 +223,38 @@ pub fn run(conn: Connection, w: &Workload, timeout: Duration) -> Result<Value, E
     let tokens: usize = p.requests.iter().map(|r| r.generated.len()).sum();
     Ok(json!({"results": results, "stats": {"ticks": s.ticks, "restarts": s.restarts,
               "seeded_tokens": s.seeded_tokens, "leases": s.leases, "tokens": tokens, "killed": killed}}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(grammar: &str, sampling: &str) -> Result<Vec<RequestSpec>, Error> {
+        let w = format!(r#"{{"requests": [{{"prompt": [1], "max_new_tokens": 3, "sampling": "{sampling}",
+                            "grammar": {grammar}}}]}}"#);
+        Workload::parse(&w)?.specs()
+    }
+
+    #[test]
+    fn a_requests_grammar_is_read_and_a_bad_one_names_its_field() {
+        let s = one(r#"{"kind": "json_schema", "text": "{\"type\": \"object\"}"}"#, "sample").unwrap();
+        assert_eq!(s[0].grammar, Some(Grammar::json_schema(r#"{"type": "object"}"#)));
+        let s = one(r#"{"kind": "choice", "choices": ["a", "b"]}"#, "greedy").unwrap();
+        assert_eq!(s[0].grammar, Some(Grammar::choice(&["a", "b"])));
+        assert_eq!(one("null", "greedy").unwrap()[0].grammar, None);
+        for (g, sampling, field) in [
+            (r#"{"text": "a"}"#, "greedy", "requests[0].grammar: an object with kind"),
+            (r#""a""#, "greedy", "requests[0].grammar: an object with kind"),
+            (r#"{"kind": "choice"}"#, "greedy", "requests[0].grammar.choices is missing"),
+            (r#"{"kind": "choice", "choices": "ab"}"#, "greedy", "requests[0].grammar.choices: a choice grammar"),
+            (r#"{"kind": "regex"}"#, "greedy", "requests[0].grammar.text is missing"),
+            (r#"{"kind": "regex", "text": ["a"]}"#, "greedy", "requests[0].grammar.text: a regex grammar is a string"),
+            (r#"{"kind": "regex", "text": "a"}"#, "host", "requests[0].grammar: not with host sampling"),
+        ] {
+            match one(g, sampling) {
+                Err(Error::Bounds(m)) => assert!(m.starts_with(field), "{g}: {m}"),
+                other => panic!("{g}: {:?}", other.map(|s| s[0].grammar.clone())),
+            }
+        }
+    }
 }
