@@ -135,6 +135,27 @@ func (c *Conn) ReleaseSeed(handle uint64, timeout time.Duration) error {
 	return err
 }
 
+// RegisterGrammar: op REGISTER_GRAMMAR; the handle for LaneAdmit.GrammarHandle.
+// A grammar the worker refuses is an *OpError with its message (BadRequest:
+// the grammar library's; Unsupported: a runtime without a tokenizer).
+func (c *Conn) RegisterGrammar(g *Grammar, timeout time.Duration) (uint64, error) {
+	f, err := g.Fields()
+	if err != nil {
+		return 0, err
+	}
+	done, err := c.opOK("REGISTER_GRAMMAR", f, nil, timeout)
+	if err != nil {
+		return 0, err
+	}
+	return done.Handle, nil
+}
+
+// ReleaseGrammar: op RELEASE_GRAMMAR (UnknownHandle: no such grammar).
+func (c *Conn) ReleaseGrammar(handle uint64, timeout time.Duration) error {
+	_, err := c.opOK("RELEASE_GRAMMAR", map[string]any{"handle": handle}, nil, timeout)
+	return err
+}
+
 // LaneInfo is a row of LIST_LANES.
 type LaneInfo struct {
 	Tag       uint64 `codec:"tag"`

@@ -14,6 +14,9 @@ import (
 // send again; absorb the events. When the worker dies the planner
 // reconnects and re-admits each unfinished request with prompt + generated,
 // decode_replay = generated, rng_counter_base = base + sampled (SPEC §9).
+// A constrained request's grammar is registered when it is submitted and
+// released when it is done (GrammarBook); a re-admission replays what it
+// generated into a fresh matcher too (grammar_replay = generated).
 
 // HostSampler picks a token from a logits row; position is the draw's rng
 // position (rng_base + tokens sampled so far), the key the engine uses too.
@@ -33,6 +36,7 @@ type RequestOptions struct {
 	NoPublish   bool
 	IgnoreEOS   bool
 	HostSampler HostSampler // required for SF_SAMPLING_HOST
+	Grammar     *Grammar    // the output follows it (not with SF_SAMPLING_HOST)
 }
 
 // Request is what the user asked, and what came back so far.
@@ -44,7 +48,7 @@ type Request struct {
 	SubmittedAt time.Time
 	Generated   []uint32
 	TokenTimes  []time.Time
-	Finish      string // "" (running), "eos", "length", "max_tokens", "unservable"
+	Finish      string // "" (running), "eos", "grammar", "length", "max_tokens", "unservable"
 	FinishedAt  time.Time
 	Admissions  int // > 1: re-admitted after a restart, a fault or a preemption
 
@@ -130,11 +134,12 @@ type Report struct {
 }
 
 type Planner struct {
-	Conn  *Conn
-	Opts  PlannerOptions
-	Stats PlannerStats
-	Seeds *SeedBook
-	Clock func() time.Time
+	Conn     *Conn
+	Opts     PlannerOptions
+	Stats    PlannerStats
+	Seeds    *SeedBook
+	Grammars *GrammarBook
+	Clock    func() time.Time
 
 	eos        map[uint32]bool
 	maxLanes   int
@@ -181,11 +186,14 @@ func NewPlanner(c *Conn, o PlannerOptions) (*Planner, error) {
 		p.maxLanes = o.MaxLanes
 	}
 	p.Seeds = NewSeedBook(c, int(d.Runtime.Page), d.Runtime.ExactOnly)
+	p.Grammars = NewGrammarBook(c)
 	p.lanes.clear()
 	return p, nil
 }
 
-// Submit queues a request; its id (from 1).
+// Submit queues a request; its id (from 1). A grammar is compiled by the
+// worker now: one it refuses is an *OpError with the worker's message
+// (REGISTER_GRAMMAR: BadRequest), and nothing is queued.
 func (p *Planner) Submit(prompt []uint32, maxNewTokens int, o RequestOptions) (int, error) {
 	if len(prompt) == 0 || maxNewTokens < 1 {
 		return 0, errors.New("a request needs a prompt and max_new_tokens >= 1")
@@ -196,11 +204,27 @@ func (p *Planner) Submit(prompt []uint32, maxNewTokens int, o RequestOptions) (i
 	if o.Sampling > SF_SAMPLING_HOST {
 		return 0, fmt.Errorf("sampling %d: not an SF_SAMPLING_*", o.Sampling)
 	}
+	if o.Grammar != nil {
+		if _, err := o.Grammar.Fields(); err != nil {
+			return 0, err
+		}
+		if o.Sampling == SF_SAMPLING_HOST {
+			return 0, errors.New("a grammar constrains the engine's sampling: not with HOST")
+		}
+		g := *o.Grammar // the request's own copy
+		g.Choices = append([]string(nil), g.Choices...)
+		o.Grammar = &g
+	}
 	if o.IgnoreEOS {
 		o.Params.Flags |= SF_PARAM_IGNORE_EOS
 	}
 	r := &Request{ID: len(p.requests) + 1, Prompt: append([]uint32(nil), prompt...), MaxNewTokens: maxNewTokens,
 		RequestOptions: o, SubmittedAt: p.Clock()}
+	if o.Grammar != nil {
+		if _, err := p.Grammars.Handle(r.ID, o.Grammar, p.Opts.TickTimeout); err != nil {
+			return 0, err
+		}
+	}
 	p.requests = append(p.requests, r)
 	p.waiting = append(p.waiting, r)
 	return r.ID, nil

@@ -24,8 +24,13 @@ func (p *Planner) absorb(d *draft, ev *Events) error {
 	}
 	p.Stats.Leases = p.Seeds.Leases
 	for _, t := range d.retires {
-		p.lanes.pop(t)
+		l := p.lanes.pop(t)
 		delete(p.retireNext, t)
+		if l != nil && l.req.Done() && l.req.Grammar != nil {
+			if err := p.Grammars.Release(l.req.ID, p.Opts.TickTimeout); err != nil {
+				return err
+			}
+		}
 	}
 	if len(d.retires) > 0 {
 		p.admitCap = -1 // memory came back: admit as the limits allow again
@@ -126,6 +131,9 @@ func (p *Planner) finishReason(r *Request, e *LaneEmit, tokens []uint32) string 
 	if e.Finish == SF_FINISH_EOS || (!r.IgnoreEOS && len(tokens) > 0 && p.eos[tokens[len(tokens)-1]]) {
 		return "eos"
 	}
+	if e.Finish == SF_FINISH_GRAMMAR {
+		return "grammar" // the grammar is complete
+	}
 	if e.Finish == SF_FINISH_LENGTH {
 		return "length"
 	}
@@ -153,6 +161,7 @@ func (p *Planner) recover() error {
 	p.retireNext = map[uint64]bool{}
 	p.evict, p.admitCap = false, -1 // a fresh worker: empty cache, free memory
 	p.Seeds.Forget()                // and no leases
+	p.Grammars.Forget()             // nor grammars: each is registered again at its next admission
 	for _, r := range p.requests {
 		r.seed, r.noSeed = nil, false
 	}

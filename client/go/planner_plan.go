@@ -58,16 +58,23 @@ func (p *Planner) send(timeout time.Duration) (*draft, *Events, error) {
 		case len(d.admits) == 1 && p.lanes.len() == 0:
 			r := p.waiting[0] // alone on an idle worker, it still does not fit
 			p.waiting = p.waiting[1:]
-			p.refuse(r)
+			if err := p.refuse(r); err != nil {
+				return nil, nil, err
+			}
 		case len(d.admits) > 0:
 			p.admitCap = len(d.admits) / 2
 			maxAdmits = p.admitCap
 		case publish && p.publishing():
 			publish = false // a published lane keeps its cells until a later tick evicts them
-		case p.preemptNewest():
-			maxAdmits = 0 // not the preempted request again in this tick
 		default:
-			return nil, nil, ev.Err()
+			preempted, err := p.preemptNewest()
+			if err != nil {
+				return nil, nil, err
+			}
+			if !preempted {
+				return nil, nil, ev.Err()
+			}
+			maxAdmits = 0 // not the preempted request again in this tick
 		}
 	}
 }
@@ -194,6 +201,14 @@ func (p *Planner) admit(d *draft, r *Request) (*lane, error) {
 	value := 0
 	a := LaneAdmit{LaneTag: tag, Sampling: r.Sampling, Params: r.Params, RngCounterBase: r.RngBase + uint64(sampled),
 		DecodeReplay: uint32(sampled), DeterminismClass: seedPathInvariant}
+	if r.Grammar != nil {
+		// The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
+		h, err := p.Grammars.Handle(r.ID, r.Grammar, p.Opts.TickTimeout)
+		if err != nil {
+			return nil, err
+		}
+		a.GrammarHandle, a.GrammarReplay = h, uint32(sampled)
+	}
 	if r.seed != nil {
 		value = int(r.seed.Value)
 		a.SeedHandle = r.seed.Handle
@@ -246,13 +261,14 @@ func (p *Planner) planDecodes(d *draft) {
 }
 
 // refuse: a request the worker's memory cannot hold even alone ends with what it has.
-func (p *Planner) refuse(r *Request) {
+func (p *Planner) refuse(r *Request) error {
 	r.Finish, r.FinishedAt = "unservable", p.Clock()
+	return p.Grammars.Release(r.ID, p.Opts.TickTimeout)
 }
 
 // preemptNewest gives up the newest running lane's memory: retire it and
 // queue its request again. False: no lane to give up.
-func (p *Planner) preemptNewest() bool {
+func (p *Planner) preemptNewest() (bool, error) {
 	var running []*lane
 	for _, l := range p.lanes.order {
 		if !l.retiring {
@@ -260,16 +276,18 @@ func (p *Planner) preemptNewest() bool {
 		}
 	}
 	if len(running) == 0 {
-		return false
+		return false, nil
 	}
 	l := running[len(running)-1]
 	p.lanes.pop(l.tag)
 	p.retireNext[l.tag] = true
 	if len(running) == 1 {
-		p.refuse(l.req)
+		if err := p.refuse(l.req); err != nil {
+			return true, err
+		}
 	} else {
 		p.waiting = append(p.waiting, l.req)
 		p.Stats.Preemptions++
 	}
-	return true
+	return true, nil
 }

@@ -163,6 +163,16 @@ func loadRequest(x any, where string) (Request, error) {
 		}
 		req.Opts.HostSampler = f
 	}
+	if g, ok := r["grammar"]; ok && g != nil {
+		gr, err := loadGrammar(g, where)
+		if err != nil {
+			return req, err
+		}
+		if s == superfluid.SF_SAMPLING_HOST {
+			return req, fmt.Errorf("%s.grammar: not with host sampling", where)
+		}
+		req.Opts.Grammar = gr
+	}
 	prompt, ok := r["prompt"]
 	if !ok {
 		return req, fmt.Errorf("%s.prompt is missing", where)
@@ -200,6 +210,45 @@ func loadRequest(x any, where string) (Request, error) {
 		req.Opts.IgnoreEOS = !truthy(v)
 	}
 	return req, nil
+}
+
+// loadGrammar reads a request's "grammar" as client/workload.py does (and
+// checks it as client/grammars.py does), a bad one naming its field.
+func loadGrammar(v any, where string) (*superfluid.Grammar, error) {
+	g, ok := v.(map[string]any)
+	if _, has := g["kind"]; !ok || !has {
+		return nil, fmt.Errorf("%s.grammar: an object with kind and text (or choices)", where)
+	}
+	kind, ok := g["kind"].(string)
+	if !ok {
+		return nil, fmt.Errorf("%s.grammar.kind: a string", where)
+	}
+	field := "text"
+	if kind == "choice" {
+		field = "choices"
+	}
+	x, ok := g[field]
+	if !ok {
+		return nil, fmt.Errorf("%s.grammar.%s is missing", where, field)
+	}
+	if kind != "choice" {
+		text, ok := x.(string)
+		if !ok {
+			return nil, fmt.Errorf("%s.grammar.text: a %s grammar is a string", where, kind)
+		}
+		return &superfluid.Grammar{Kind: kind, Text: text}, nil
+	}
+	list, ok := x.([]any)
+	choices := make([]string, 0, len(list))
+	for _, c := range list {
+		s, isStr := c.(string)
+		ok = ok && isStr
+		choices = append(choices, s)
+	}
+	if !ok {
+		return nil, fmt.Errorf("%s.grammar.choices: a choice grammar is a list of strings", where)
+	}
+	return &superfluid.Grammar{Kind: kind, Choices: choices}, nil
 }
 
 // Output is the results JSON of `superfluid plan`.

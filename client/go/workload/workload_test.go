@@ -251,9 +251,16 @@ func TestLoadRefusesABadWorkload(t *testing.T) {
 		`{}`:                                    "workload.requests is missing",
 		`{"options": {"x": 1}, "requests": []}`: "options.x: not an option",
 		`{"requests": [{"prompt": [1]}]}`:       "requests[0].max_new_tokens is missing",
-		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "sampling": "beam"}]}`:                      "requests[0].sampling = 'beam'",
-		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "params": {"tmp": 1}}]}`:                    "requests[0].params.tmp",
-		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "sampling": "host", "host_sampler": "x"}]}`: "host_sampler",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "sampling": "beam"}]}`:                                            "requests[0].sampling = 'beam'",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "params": {"tmp": 1}}]}`:                                          "requests[0].params.tmp",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 2, "sampling": "host", "host_sampler": "x"}]}`:                       "host_sampler",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"text": "a"}}]}`:                                      "requests[0].grammar: an object with kind",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": "a"}]}`:                                                "requests[0].grammar: an object with kind",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "choice"}}]}`:                                 "requests[0].grammar.choices is missing",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "choice", "choices": [1]}}]}`:                 "requests[0].grammar.choices: a choice grammar",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "regex"}}]}`:                                  "requests[0].grammar.text is missing",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "regex", "text": ["a"]}}]}`:                   "requests[0].grammar.text: a regex grammar is a string",
+		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "host", "grammar": {"kind": "regex", "text": "a"}}]}`: "requests[0].grammar: not with host sampling",
 	} {
 		if _, err := workload.Load([]byte(src)); err == nil || !strings.Contains(err.Error(), msg) {
 			t.Errorf("%s: %v, want %q", src, err, msg)
@@ -264,6 +271,13 @@ func TestLoadRefusesABadWorkload(t *testing.T) {
 	if err != nil || w.Requests[0].Opts.RngBase != math.MaxUint64 || !w.Requests[0].Opts.IgnoreEOS ||
 		!w.Requests[0].Opts.NoPublish || !w.Options.NoLeases || w.KillAfter != -1 {
 		t.Fatalf("%+v %v", w, err)
+	}
+	w, err = workload.Load([]byte(`{"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "sample",
+		"grammar": {"kind": "json_schema", "text": "{}"}}, {"prompt": [1], "max_new_tokens": 3,
+		"grammar": {"kind": "choice", "choices": ["a", "b"]}}, {"prompt": [1], "max_new_tokens": 3, "grammar": null}]}`))
+	if err != nil || !reflect.DeepEqual(w.Requests[0].Opts.Grammar, sf.JSONSchema("{}")) ||
+		!reflect.DeepEqual(w.Requests[1].Opts.Grammar, sf.Choice("a", "b")) || w.Requests[2].Opts.Grammar != nil {
+		t.Fatalf("grammars: %+v %v", w, err)
 	}
 	_ = sf.SF_SAMPLING_HOST
 }
