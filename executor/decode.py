@@ -133,19 +133,34 @@ class DecodePhase:
         lane.finished = True
         remaining.pop(lane.tag, None)
 
-    def _grammar_masks(self, tags: list[int], remaining: dict[int, int]) -> dict[int, np.ndarray]:
-        """The next-token masks of these grammar lanes, all in one parallel
-        fill (SPEC §5: the mask comes first); a lane whose matcher is in
-        error faults GRAMMAR_OVERFLOW, the others go on."""
-        if not tags:
-            return {}
+    def _grammar_masks(self, tags: list[int], remaining: dict[int, int]) -> tuple[np.ndarray, dict[int, int]]:
+        """The next-token masks of these grammar lanes, all in one fill call
+        (SPEC §5: the mask comes first): the bitmask, row j for tags[j],
+        and each lane's row; a lane whose matcher is in error faults
+        GRAMMAR_OVERFLOW (and has no row), the others go on."""
         reg = self.ex.grammars
-        bits = reg.bitmask(len(tags))
+        bits = reg.bitmask(len(tags), fill=False)  # fill writes every row
         bad = reg.fill([(self.ex.lanes[tag].grammar, j) for j, tag in enumerate(tags)], bits)
         for j in bad:
             self.fault(tags[j], _GRAMMAR_OVERFLOW)
             remaining.pop(tags[j], None)
-        return {tag: bits[j] for j, tag in enumerate(tags) if tag not in self.faulted_now}
+        return bits, {tag: j for j, tag in enumerate(tags) if tag not in self.faulted_now}
+
+    @staticmethod
+    def _token_masks(bits: np.ndarray, where: dict[int, int], tags: list[int]) -> TokenMasks | None:
+        """The TokenMasks of a step's feeds (tags) out of the round's bitmask:
+        its rows as they are (a view, no copy) when the chunk's masked feeds
+        are a run of consecutive bitmask rows, as when every lane of a round
+        has a grammar; else the rows gathered."""
+        masked = [k for k, tag in enumerate(tags) if tag in where]
+        if not masked:
+            return None
+        first = where[tags[masked[0]]]
+        if all(where[tags[k]] == first + i for i, k in enumerate(masked)):
+            sub = bits[first:first + len(masked)]
+        else:
+            sub = bits[[where[tags[k]] for k in masked]]
+        return TokenMasks(sub, None if len(masked) == len(tags) else masked)
 
     def _rounds(self, round_: list[tuple[int, int]], remaining: dict[int, int]) -> None:
         ex, rt = self.ex, self.rt
@@ -158,7 +173,7 @@ class DecodePhase:
             need = [tag for tag, _ in round_ if ex.lanes[tag].grammar is not None]
             need += [tag for tag in self.rows if tag in remaining and tag in ex.lanes
                      and ex.lanes[tag].grammar is not None]
-            masks = self._grammar_masks(need, remaining) if need else {}
+            bits, masks = self._grammar_masks(need, remaining) if need else (None, {})
             if len(masks) < len(need):
                 round_ = [(tag, tok) for tag, tok in round_ if tag not in self.faulted_now]
             for i in range(0, len(round_), max(1, desc.max_batch)):
@@ -168,8 +183,7 @@ class DecodePhase:
                 tags = [tag for tag, _ in chunk]
                 specs = [self._engine_spec(ln) for ln in lanes]
                 if all(s is not None for s in specs):
-                    masked = [k for k, tag in enumerate(tags) if tag in masks] if masks else []
-                    tm = TokenMasks(np.stack([masks[tags[k]] for k in masked]), masked) if masked else None
+                    tm = self._token_masks(bits, masks, tags) if masks else None
                     try:
                         toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
                     except RuntimeFailure as e:
@@ -215,7 +229,8 @@ class DecodePhase:
                             continue
                         lane.pending_row = PendingRow(ex._fresh_nonce(), ref)
                         continue
-                    token = self._host_pick(lane, row, masks.pop(tag, None))
+                    j = masks.pop(tag, None)
+                    token = self._host_pick(lane, row, None if j is None else bits[j])
                 if lane.grammar is not None and not lane.grammar.accept(token):
                     self.fault(tag, _GRAMMAR_OVERFLOW)  # a token its mask should not have allowed
                     remaining.pop(tag, None)

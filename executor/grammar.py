@@ -6,7 +6,8 @@ keeps under a handle. A lane borrows it (one lane at a time, SPEC §3 step 4)
 as a Matcher: a copy of the grammar's fresh matcher that has replayed the
 prompt's tail, and that answers only "mask", "accept" and "complete". The
 masks of a round's grammar lanes fill in one call on llguidance's thread pool
-(it releases the GIL) into an int32 bitmask [n, ceil(V/32)]: the rows the
+(it releases the GIL; in this thread where the pool would have one thread)
+into an int32 bitmask [n, ceil(V/32)]: the rows the
 samplers apply first (engine.runtime.TokenMasks, executor.sampling.pick).
 
 EOS: the mask allows the eos ids exactly when the grammar may end here
@@ -23,6 +24,7 @@ rebuilt by replaying its tokens into a fresh copy (rebuild).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Sequence
 
@@ -36,6 +38,13 @@ MAX_GRAMMARS = 1024  # registered at once (each holds a compiled lexer: up to MB
 # through its own "x-guidance" (these are defaults, under the schema's).
 JSON_DEFAULTS = {"whitespace_flexible": False}
 _LIMITS = LLParserLimits(verbose_errors=False)  # a message names the problem, not the parser state
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may run on (a container's share)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class GrammarError(ValueError):
@@ -199,7 +208,9 @@ class GrammarRegistry:
         self.max_grammars = max_grammars
         self._json = tokenizer_json
         self._eos = frozenset(eos)
-        self._threads = threads
+        # llguidance's default pool: 80% of the CPUs (up to 32). With one thread
+        # the pool is a hand-off and no parallelism: fill then runs in this thread.
+        self.threads = threads if threads is not None else min(32, max(1, int(0.8 * _cpus())))
         self._tokenizer: LLTokenizer | None = None
         self._pool: LLExecutor | None = None
         self._grammars: dict[int, Grammar] = {}
@@ -284,15 +295,20 @@ class GrammarRegistry:
 
     # -------------------------------------------------------------- masks
 
-    def bitmask(self, n: int) -> np.ndarray:
-        """An int32 [n, words] mask array for fill (every token allowed)."""
+    def bitmask(self, n: int, *, fill: bool = True) -> np.ndarray:
+        """An int32 [n, words] mask array for fill (every token allowed; fill=False:
+        uninitialised, for a caller whose fill writes every row)."""
+        if not fill:
+            return np.empty((n, self.words), dtype=np.int32)
         return np.full((n, self.words), -1, dtype=np.int32)
 
     def fill(self, pairs: Sequence[tuple[Matcher, int]], bits: np.ndarray) -> list[int]:
         """Write each matcher's next-token mask into row `row` of bits, for all the
         pairs (matcher, row) in one call on llguidance's thread pool (the GIL is
-        released meanwhile). The positions in `pairs` of matchers in error (the
-        wiring faults those lanes: GRAMMAR_OVERFLOW); their rows allow only EOS."""
+        released meanwhile), or one after another in this thread where the pool
+        would have one thread (`threads`: 80% of the CPUs by default). The
+        positions in `pairs` of matchers in error (the wiring faults those
+        lanes: GRAMMAR_OVERFLOW); their rows allow only EOS."""
         if (bits.dtype != np.int32 or bits.ndim != 2 or bits.shape[1] != self.words
                 or not bits.flags.c_contiguous):
             raise ValueError(f"a mask array is C-contiguous int32 [n, {self.words}]")
@@ -300,12 +316,16 @@ class GrammarRegistry:
         if len(set(rows)) != len(rows) or len({id(m) for m, _ in pairs}) != len(pairs) or (
                 rows and (min(rows) < 0 or max(rows) >= bits.shape[0])):
             raise ValueError(f"mask rows must be distinct rows of 0..{bits.shape[0] - 1}, one per matcher")
-        if len(pairs) == 1:
-            m, r = pairs[0]
-            m.fill(bits[r])  # one lane: no thread hand-off
+        if len(pairs) == 1 or (pairs and self.threads < 2):
+            # No thread hand-off where nothing runs in parallel: a pool of one thread
+            # only adds it (32 masks at vocab 32k on a busy 2-core machine: ~0.4 ms
+            # here, ~1 ms through the pool; a pool of 2 there was no faster either).
+            base, row_bytes = bits.ctypes.data, self.words * 4
+            for m, r in pairs:
+                m._m.unsafe_compute_mask_ptr(base + r * row_bytes, row_bytes)
         elif pairs:
             if self._pool is None:
-                self._pool = LLExecutor(self._threads)
+                self._pool = LLExecutor(self.threads)
             self._pool.unsafe_compute_mask_ptr([(m._m, r) for m, r in pairs], bits.ctypes.data,
                                                self.words * 4, bits.shape[0])
         return [i for i, (m, _) in enumerate(pairs) if m._m.is_error()]

@@ -15,6 +15,7 @@ BENCHES: tuple[str, ...] = (
     "superfluid.bench.tick",
     "superfluid.bench.e2e",
     "superfluid.bench.prefix",
+    "superfluid.bench.grammar",
 )
 
 
