@@ -230,7 +230,7 @@ class TransformerRuntime(Runtime):
         masks = check_masks(masks, len(feeds), self.cfg.vocab_size)
         feeds = [f if f.wants_row else Feed(f.seq, f.tokens, True) for f in feeds]
         logits = self._forward(feeds, all_rows=False)
-        return self.model.backend.sample(logits, specs, masks).tolist()
+        return self.model.backend.sample(logits, specs, masks, consume=True).tolist()
 
     @property
     def tokenizer_json(self) -> str | None:

@@ -1,4 +1,4 @@
-"""cffi build of sf_cpu.c, sf_gemm.c and sf_pool.c into
+"""cffi build of sf_cpu.c, sf_gemm.c, sf_pool.c and sf_mask.c into
 superfluid.kernels._cpu (the torch backend's CPU kernels, with their own
 task pool on pthreads). sf_cpu.h, their interface, is the cdef."""
 
@@ -23,7 +23,7 @@ def make_builder() -> FFI:
     ffi.set_source(
         "superfluid.kernels._cpu",
         '#include "sf_cpu.h"\n',  # with the prototypes: floats must not be promoted to double
-        sources=[os.path.join(rel, f) for f in ("sf_cpu.c", "sf_gemm.c", "sf_pool.c")],
+        sources=[os.path.join(rel, f) for f in ("sf_cpu.c", "sf_gemm.c", "sf_pool.c", "sf_mask.c")],
         include_dirs=[rel],
         # -ffp-contract=off: no a*b+c the source did not write as fma (rounding is the contract).
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-Wall"],

@@ -56,12 +56,13 @@ class Backend:
     def kv_write(self, k_cache, v_cache, cells, k, v) -> None:
         kv_write_torch(k_cache, v_cache, cells, k, v)
 
-    def sample(self, logits: torch.Tensor, specs, masks=None) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, specs, masks=None, consume: bool = False) -> torch.Tensor:
         """One token per row of logits [b, vocab], drawn per SampleSpec after the
-        grammar masks (engine.runtime.TokenMasks, checked by the caller) if any."""
+        grammar masks (engine.runtime.TokenMasks, checked by the caller) if any.
+        consume: the caller keeps nothing of logits (they may be written)."""
         from superfluid.kernels.sampling import sample_torch
 
-        return sample_torch(logits, *_spec_columns(specs), *_mask_columns(masks))
+        return sample_torch(logits, *_spec_columns(specs), *_mask_columns(masks), consume=consume)
 
     # Whether attention can read a group's keys from a DenseKV kept across steps.
     dense_kv = True
@@ -121,7 +122,7 @@ class TritonBackend(Backend):
     def attention(self, q, k_cache, v_cache, batch, scale, layer=None):
         return self._ops.attention(q, k_cache, v_cache, batch, scale)
 
-    def sample(self, logits, specs, masks=None):
+    def sample(self, logits, specs, masks=None, consume: bool = False):
         from superfluid.kernels.sampling import sample_triton
 
         return sample_triton(logits, *_spec_columns(specs), *_mask_columns(masks))

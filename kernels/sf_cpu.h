@@ -38,5 +38,7 @@ int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, floa
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, int nthreads);
+int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
+                     int n, float *out, long ldo);
 
 #endif

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from superfluid.engine.sampling import mask_allowed
+from superfluid.kernels import cpu
 from superfluid.kernels.sampling import apply_bitmask_torch, sample_torch
 
 from tests.kernels.test_sampling_mask import random_masks
@@ -75,3 +76,32 @@ def test_mask_rows_naming_every_row_in_order_is_no_mask_rows():
     b = sample_torch(x, *args, bits, None)
     c = sample_torch(x, *args, bits, torch.arange(B))
     assert a.tolist() == b.tolist() == c.tolist()
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built")
+@pytest.mark.parametrize("V", [33, 32000])
+def test_the_c_kernel_and_the_numpy_fallback_agree(V, monkeypatch):
+    rng = np.random.default_rng(V + 1)
+    x = _rows(rng, 5, V)
+    bits = torch.from_numpy(np.concatenate([random_masks(rng, 1, V, d) for d in (0.0, 0.001, 0.5, 0.999, 1.0)]))
+    rows = torch.tensor([3, 0])
+    c = [apply_bitmask_torch(x, bits, None).clone(), apply_bitmask_torch(x, bits[:2].contiguous(), rows).clone()]
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    py = [apply_bitmask_torch(x, bits, None), apply_bitmask_torch(x, bits[:2].contiguous(), rows)]
+    for a, b in zip(c, py):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert not torch.equal(c[0].view(torch.int32), x.view(torch.int32))  # the masks banned something
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built")
+def test_the_c_kernel_refuses_bad_shapes():
+    x = np.zeros((2, 40), np.float32)
+    out = np.empty_like(x)
+    with pytest.raises(ValueError, match="bits int32"):
+        cpu.apply_bitmask(x, np.zeros((2, 1), np.int32), None, out)
+    with pytest.raises(ValueError, match="distinct rows"):
+        cpu.apply_bitmask(x, np.zeros((2, 2), np.int32), [1, 1], out)
+    with pytest.raises(ValueError, match="no rows"):
+        cpu.apply_bitmask(x, np.zeros((1, 2), np.int32), None, out)
+    with pytest.raises(RuntimeError, match="sf_apply_bitmask"):
+        cpu.apply_bitmask(x, np.zeros((1, 2), np.int32), [2], out)
