@@ -43,6 +43,7 @@ from superfluid.client.builder import PlanBuilder
 from superfluid.client.client import Client, ClientTimeout, WorkerRestarted
 from superfluid.client.grammars import GrammarBook, GrammarSpec, fields as grammar_fields
 from superfluid.client.seeding import SPI, Seed, SeedBook
+from superfluid.client.strategies import Strategy, StrategyBook
 
 GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST
 
@@ -87,6 +88,7 @@ class Request:
     finished_at: float | None = None
     admissions: int = 0  # > 1: re-admitted after a restart, a fault or a preemption
     grammar: GrammarSpec | None = None  # its output is constrained to this
+    speculate: bool = False  # admitted with the planner's strategy (drafting never changes its tokens)
     seed: Seed | None = None  # a lease for its next admission
     no_seed: bool = False  # its lease went stale: admit it without one this time
 
@@ -137,6 +139,8 @@ class PlannerStats:
     restarts: int = 0  # WorkerRestarted seen (each followed by a reconnect)
     seeded_tokens: int = 0  # prompt tokens admissions took from seed leases (cache hits)
     leases: int = 0  # LEASE_SEED asked and granted
+    draft_proposed: int = 0  # draft tokens the worker verified (LaneEmit.spec)
+    draft_accepted: int = 0  # of them, the tokens taken
 
 
 @dataclasses.dataclass
@@ -184,12 +188,16 @@ class Planner:
     max_admits_per_tick: new lanes per tick (None: as the limits allow).
     use_leases: lease the longest cached prefix for each admission whose
         prompt may share pages with what this planner had published.
+    strategy: a speculation strategy (client.strategies.Strategy) installed on
+        the worker and named by every request's admission unless it opts out;
+        a drafting lane may emit more than decode_grant tokens a tick
+        (overshoot), never past its max_new_tokens.
     """
 
     def __init__(self, client: Client, *, prefill_token_budget: int = 512, prefill_chunk: int | None = None,
                  decode_grant: int = 4, max_lanes: int | None = None, max_admits_per_tick: int | None = None,
                  tick_timeout: float = 30.0, reconnect_timeout: float = 60.0, use_leases: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 strategy: Strategy | None = None, clock: Callable[[], float] = time.monotonic):
         if prefill_token_budget < 1 or decode_grant < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise ValueError("prefill_token_budget, prefill_chunk and decode_grant are at least 1")
         self.client = client
@@ -208,6 +216,8 @@ class Planner:
         self.use_leases = use_leases
         self.seeds = SeedBook(client, int(rt.get("page", 16)), bool(rt.get("exact_only", False)))
         self.grammars = GrammarBook(client)
+        self.strategies = StrategyBook(client, strategy)
+        self.strategies.slot(tick_timeout)  # a strategy the worker refuses fails here, not mid-run
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.lanes: dict[int, Lane] = {}  # by tag, in admission order (prefill runs in this order)
@@ -222,12 +232,13 @@ class Planner:
     def submit(self, prompt_tokens, max_new_tokens: int, sampling: Sampling = GPU_GREEDY, *,
                params: SamplingParams | None = None, rng_base: int = 0, publish: bool = True,
                host_sampler: HostSampler | None = None, stop_at_eos: bool = True,
-               grammar: GrammarSpec | None = None) -> int:
+               grammar: GrammarSpec | None = None, speculate: bool = True) -> int:
         """Queue a request; its id. HOST requests need `host_sampler`; the
         draw of generated token k is at rng position `rng_base + k`.
         grammar: (kind, text) — json_schema, regex, lark, gbnf — or
         ("choice", [strings]); the output follows it (not with HOST). The
-        worker compiles it now: a grammar it refuses raises GrammarRefused."""
+        worker compiles it now: a grammar it refuses raises GrammarRefused.
+        speculate: admit it with the planner's strategy (if it has one)."""
         prompt = [int(t) for t in prompt_tokens]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a prompt and max_new_tokens >= 1")
@@ -241,7 +252,8 @@ class Planner:
         if not stop_at_eos:
             params = params._replace(flags=params.flags | int(ParamFlag.IGNORE_EOS))
         req = Request(self._next_id, prompt, max_new_tokens, Sampling(sampling), params, rng_base & _U64,
-                      publish, host_sampler, stop_at_eos, submitted_at=self.clock(), grammar=grammar)
+                      publish, host_sampler, stop_at_eos, submitted_at=self.clock(), grammar=grammar,
+                      speculate=speculate and self.strategies.strategy is not None)
         if grammar is not None:
             self.grammars.handle(req.id, grammar, self.tick_timeout)
         self._next_id += 1
@@ -391,11 +403,12 @@ class Planner:
         value = seed.value if seed else 0
         # The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
         grammar = self.grammars.handle(req.id, req.grammar, self.tick_timeout) if req.grammar else 0
+        slot = self.strategies.slot(self.tick_timeout) if req.speculate else 0
         ref = self.client.write_prompt(tokens)
         d.builder.admit(tag, ref, sampling=req.sampling, params=req.params,
                         rng_counter_base=(req.rng_base + sampled) & _U64, decode_replay=sampled,
                         seed_handle=seed.handle if seed else 0, determinism_class=SPI,
-                        grammar_handle=grammar, grammar_replay=sampled if grammar else 0)
+                        grammar_handle=grammar, grammar_replay=sampled if grammar else 0, strategy_slot=slot)
         # A seed covers `value` tokens: prefill starts there, and so does decode's replay.
         end = max(len(req.prompt), value)
         lane = Lane(tag, req, prefill_end=end, replay_left=len(tokens) - end, prefilled=value)
@@ -408,18 +421,24 @@ class Planner:
         """Lanes whose prefill is complete by the end of this tick decode:
         GPU lanes up to `decode_grant` new tokens, never past max_new_tokens,
         plus what they have to replay (replayed tokens count against the
-        grant); HOST lanes one token (replayed or new)."""
+        grant); HOST lanes one token (replayed or new). A lane with the
+        strategy may run past the grant on verified drafts (overshoot) up to
+        what its request has left."""
         for lane in [*self.lanes.values(), *d.admits]:
             if lane.retiring or d.reached.get(lane.tag, lane.prefilled) != lane.prefill_end:
                 continue
             req = lane.request
+            over = 0
             if req.sampling == HOST:
                 grant = 1  # the executor's rule: the planner picks each token
             else:
                 # A re-admitted lane catches up in one tick: its replay, then the usual grant.
-                new = min(self.decode_grant, req.max_new_tokens - len(req.generated))
+                left = req.max_new_tokens - len(req.generated)
+                new = min(self.decode_grant, left)
                 grant = min(_U16, lane.replay_left + new)
-            d.builder.decode(lane.tag, grant)
+                if req.speculate:  # room for every round's draft to be taken whole
+                    over = min(_U16, left - new, self.decode_grant * self.strategies.strategy.max_draft)
+            d.builder.decode(lane.tag, grant, overshoot=over)
             d.decodes[lane.tag] = grant
 
     def _refuse(self, req: Request) -> None:
@@ -514,6 +533,8 @@ class Planner:
         if lane is None:
             return
         req = lane.request
+        self.stats.draft_proposed += emit.spec.proposed
+        self.stats.draft_accepted += emit.spec.accepted
         tokens = self._host_sample(lane, emit) if req.sampling == HOST else self.client.tokens(emit)
         req.generated.extend(tokens)
         req.token_times.extend([now] * len(tokens))
@@ -559,6 +580,7 @@ class Planner:
         self._evict, self._admit_cap = False, None  # a fresh worker: empty cache, free memory
         self.seeds.forget()  # and no leases: nothing here may lean on them
         self.grammars.forget()  # nor grammars: each is registered again at its next admission
+        self.strategies.forget()  # nor the strategy: installed again at the next admission
         for req in self.requests.values():
             req.seed, req.no_seed = None, False
         self.waiting.extendleft(reversed(again))

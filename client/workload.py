@@ -6,7 +6,8 @@ and print the same results, so any two can be compared token for token on
 one daemon. The format:
 
     {"options": {"prefill_token_budget": 512, "prefill_chunk": null,
-                 "decode_grant": 4, "max_lanes": null, "use_leases": true},
+                 "decode_grant": 4, "max_lanes": null, "use_leases": true,
+                 "strategy": null | {"max_draft": 8, "ngram_min": 1, "ngram_max": 4}},
      "requests": [{"prompt": [5, 6, 7], "max_new_tokens": 12,
                    "sampling": "greedy" | "sample" | "host",
                    "host_sampler": "argmax" | "perturb",      (host only)
@@ -16,7 +17,8 @@ one daemon. The format:
                    "rng_base": 0, "stop_at_eos": true, "publish": true,
                    "grammar": {"kind": "json_schema" | "regex" | "lark" | "gbnf",
                                "text": "..."} | {"kind": "choice",
-                               "choices": ["a", "b"]}}],              (not with host)
+                               "choices": ["a", "b"]},                 (not with host)
+                   "speculate": true}],           (with the options' strategy)
      "kill_worker_after_tokens": null}
 
 Every key but "prompt" and "max_new_tokens" may be left out (the values
@@ -27,7 +29,9 @@ run: the daemon restarts it and the planner recovers).
 Results: {"results": [{"id": 1, "tokens": [...], "finish": "eos" |
 "grammar" | "length" | "max_tokens" | "unservable", "admissions": 1}, ...] (in request
 order), "stats": {"ticks", "restarts", "seeded_tokens", "leases", "tokens",
-"killed"}}.
+"killed", "draft_proposed", "draft_accepted"}}. A strategy is prompt lookup
+(client.strategies.Strategy): drafting never changes a token, so results
+with and without it are equal.
 
 Host samplers are defined exactly, so every language draws the same token:
 argmax is the first index of the largest value; perturb is the argmax of
@@ -51,13 +55,15 @@ import numpy as np
 from superfluid.client.builder import sampling_params
 from superfluid.client.client import Client
 from superfluid.client.planner import GPU_GREEDY, GPU_SAMPLE, HOST, Planner
+from superfluid.client.strategies import Strategy
 
 PERTURB_SCALE = np.float32(2.0)
 _M64 = (1 << 64) - 1
 _SAMPLING = {"greedy": GPU_GREEDY, "sample": GPU_SAMPLE, "host": HOST}
 _PARAMS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "freq_penalty")
 _OPTIONS = {"prefill_token_budget": 512, "prefill_chunk": None, "decode_grant": 4, "max_lanes": None,
-            "use_leases": True}
+            "use_leases": True, "strategy": None}
+_STRATEGY = ("max_draft", "ngram_min", "ngram_max")
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -100,6 +106,11 @@ def load(workload: dict) -> tuple[dict, list[dict]]:
         if k not in _OPTIONS:
             raise ValueError(f"options.{k}: not an option ({', '.join(_OPTIONS)})")
         opts[k] = v
+    if opts["strategy"] is not None:
+        st = opts["strategy"]
+        if not isinstance(st, dict) or set(st) - set(_STRATEGY):
+            raise ValueError(f"options.strategy: an object of {', '.join(_STRATEGY)}")
+        opts["strategy"] = Strategy(**{k: int(v) for k, v in st.items()})
     reqs = []
     for n, r in enumerate(_field(workload, "requests", "workload")):
         where = f"requests[{n}]"
@@ -128,7 +139,8 @@ def load(workload: dict) -> tuple[dict, list[dict]]:
                          max_new_tokens=int(_field(r, "max_new_tokens", where)), sampling=_SAMPLING[sampling],
                          params=sampling_params(**{k: params[k] for k in params}),
                          rng_base=int(r.get("rng_base", 0)) & _M64, publish=bool(r.get("publish", True)),
-                         host_sampler=host, stop_at_eos=bool(r.get("stop_at_eos", True)), grammar=grammar))
+                         host_sampler=host, stop_at_eos=bool(r.get("stop_at_eos", True)), grammar=grammar,
+                         speculate=bool(r.get("speculate", True))))
     return opts, reqs
 
 
@@ -154,7 +166,8 @@ def run(client: Client, workload: dict, timeout: float = 300.0) -> dict:
     return {"results": [{"id": i, "tokens": rep.results[i].tokens, "finish": rep.results[i].finish,
                          "admissions": rep.results[i].admissions} for i in ids],
             "stats": {"ticks": s.ticks, "restarts": s.restarts, "seeded_tokens": s.seeded_tokens, "leases": s.leases,
-                      "tokens": s.tokens, "killed": killed}}
+                      "tokens": s.tokens, "killed": killed, "draft_proposed": s.draft_proposed,
+                      "draft_accepted": s.draft_accepted}}
 
 
 def main(args: argparse.Namespace) -> int:

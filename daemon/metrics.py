@@ -26,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import MetricsHandler
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status
+from superfluid.executor.spec import MAX_SLOTS as _SPEC_SLOTS
+from superfluid.executor.spec_gate import MAX_BUCKET as _SPEC_MAX_BUCKET
 
 PREFIX = "superfluid_worker_"
 DAEMON_LABEL = "daemon"  # the daemon's --name
@@ -43,6 +45,10 @@ def _label_names(enum: Any) -> tuple[str, ...]:
 _STATUS = _label_names(Status)
 _OP_STATUS = _label_names(OpStatus)
 _SHED_REASON = _label_names(ShedReason)
+# The speculation gate's figures: one row per strategy slot, one column per lanes bucket (1, 2, 4, ...).
+_SPEC_BUCKETS = _SPEC_MAX_BUCKET.bit_length()
+_SPEC_CELLS = _SPEC_SLOTS * _SPEC_BUCKETS
+_GATE_STATE = {"explore": 1, "on": 2, "off": 3}  # 0: no figures
 
 # ------------------------------------------------------------------ layout
 # Word names in block order; (name, n) for arrays. Private to this module: the
@@ -55,15 +61,18 @@ _LAYOUT: tuple[tuple[str, int], ...] = (
     ("cache_hit_tokens", 1),
     ("tick_buckets", len(_BOUNDS_NS) + 1), ("rejects_by_status", len(_STATUS)),
     ("sheds_by_reason", len(_SHED_REASON)), ("ops_by_status", len(_OP_STATUS)),
+    ("spec_proposed", 1), ("spec_accepted", 1),
     # gauges (cleared by restarted())
     ("live_lanes", 1), ("cache_entries", 1), ("cache_bytes", 1),
     ("kv_blocks_used", 1), ("kv_blocks_total", 1), ("blocked_since_ns", 1),
+    ("spec_gate_state", _SPEC_CELLS), ("spec_draft_ns_per_token", _SPEC_CELLS),
+    ("spec_plain_ns_per_token", _SPEC_CELLS),
 )
 _AT: dict[str, int] = {}  # name -> first word
 _WORDS = 0
 for _name, _n in _LAYOUT:
     _AT[_name], _WORDS = _WORDS, _WORDS + _n
-_GAUGES = tuple(name for name, _ in _LAYOUT[_LAYOUT.index(("live_lanes", 1)):])
+_GAUGES = tuple(_LAYOUT[_LAYOUT.index(("live_lanes", 1)):])  # (name, words)
 MAGIC = int.from_bytes(b"SFMETRIC", "little")
 VERSION = zlib.crc32(repr(_LAYOUT).encode())
 
@@ -77,6 +86,8 @@ _SHED0, _OPS0 = _AT["sheds_by_reason"], _AT["ops_by_status"]
 _LANES, _ENTRIES, _CBYTES = _AT["live_lanes"], _AT["cache_entries"], _AT["cache_bytes"]
 _KV_USED, _KV_TOTAL, _BLOCKED = _AT["kv_blocks_used"], _AT["kv_blocks_total"], _AT["blocked_since_ns"]
 _PREFILL_CHUNK, _CACHE_EVICTION = int(ShedKind.PREFILL_CHUNK), int(ShedKind.CACHE_EVICTION)
+_PROPOSED, _ACCEPTED = _AT["spec_proposed"], _AT["spec_accepted"]
+_GATE0, _DRAFT_NS0, _PLAIN_NS0 = _AT["spec_gate_state"], _AT["spec_draft_ns_per_token"], _AT["spec_plain_ns_per_token"]
 
 
 class WorkerMetrics:
@@ -158,6 +169,10 @@ class WorkerMetrics:
             if events.emits:
                 # A generator beats map(attrgetter) on namedtuples; numpy would need a copy first.
                 w[_DECODE_TOK] += sum(e.n_tokens for e in events.emits)
+                proposed = sum(e.spec.proposed for e in events.emits)
+                if proposed:
+                    w[_PROPOSED] += proposed
+                    w[_ACCEPTED] += sum(e.spec.accepted for e in events.emits)
             prefilled = sum(p.token_count for p in plan.prefills) if plan is not None and plan.prefills else 0
             for e in events.shed.entries:  # few: only what this tick shed
                 if e.kind == _PREFILL_CHUNK:
@@ -196,6 +211,23 @@ class WorkerMetrics:
             w[_HIT] += delta
         self._hit_seen = cache_hit_tokens  # a total that went back (should not) restarts the delta
 
+    def spec_gate(self, snapshot: Mapping[str, Any]) -> None:
+        """The speculation gate's state and figures, from the executor's
+        spec_gate.snapshot(): per installed strategy slot and lanes bucket."""
+        w = self._w
+        for i in range(_SPEC_CELLS):
+            w[_GATE0 + i] = w[_DRAFT_NS0 + i] = w[_PLAIN_NS0 + i] = 0
+        for st in snapshot.get("strategies", ()):
+            slot = st["slot"]
+            if not 1 <= slot <= _SPEC_SLOTS:
+                continue
+            for b in st["buckets"]:
+                at = (slot - 1) * _SPEC_BUCKETS + min(_SPEC_BUCKETS - 1, max(0, b["lanes"] - 1).bit_length())
+                w[_GATE0 + at] = _GATE_STATE.get(b["state"], 0)
+                for base, key in ((_DRAFT_NS0, "draft_s_per_token"), (_PLAIN_NS0, "plain_s_per_token")):
+                    v = b[key]
+                    w[base + at] = round(v * 1e9) if v is not None and v > 0 else 0
+
     def blocked(self, since_ns: int) -> None:
         """CLOCK_MONOTONIC ns since which the worker waits for the planner to
         make room in the event queue; 0 when it does not wait."""
@@ -205,8 +237,9 @@ class WorkerMetrics:
 
     def restarted(self) -> None:
         """Clear the gauges before the next worker starts (no worker writes now)."""
-        for g in _GAUGES:
-            self._w[_AT[g]] = 0
+        for g, n in _GAUGES:
+            for i in range(_AT[g], _AT[g] + n):
+                self._w[i] = 0
 
     def read(self) -> dict[str, Any]:
         """A copy of the block as plain data: ints, and lists for the arrays."""
@@ -255,6 +288,8 @@ _COUNTERS = (
     ("cache_hit_tokens", "cache_hit_tokens", 1, "Prompt tokens admissions took from the prefix cache."),
     ("cache_evictions", "cache_evictions", 1, "Prefix-cache entries evicted (CACHE_EVICTION sheds)."),
     ("cache_evicted_bytes", "cache_evicted_bytes", 1, "Bytes freed by prefix-cache evictions."),
+    ("spec_proposed", "spec_proposed", 1, "Draft tokens verified (LaneEmit.spec.proposed)."),
+    ("spec_accepted", "spec_accepted", 1, "Draft tokens the lanes took (LaneEmit.spec.accepted)."),
 )
 _GAUGE_WORDS = (
     ("live_lanes", "live_lanes", "Lanes admitted and not retired."),
@@ -315,6 +350,7 @@ class _Collector:
             buckets = [(repr(float(le)), c) for le, c in zip(TICK_BUCKETS_S, cum)] + [("+Inf", cum[-1])]
             h.add_metric([self.name, w], buckets, b["tick_ns"] * 1e-9)
         yield h
+        yield from self._spec_gate(rows, labels)
         g = GaugeMetricFamily(PREFIX + "blocked_on_planner_seconds",
                               "Seconds the worker has waited for the planner to read events; 0 when not.",
                               labels=labels)
@@ -334,6 +370,27 @@ class _Collector:
         for (index, reason), n in sorted((self.counters.exits() if self.counters else {}).items()):
             f.add_metric([self.name, str(index), reason], n)
         yield f
+
+
+    def _spec_gate(self, rows: list, labels: list[str]) -> Iterator[Metric]:
+        """The gate's cells that have figures, labelled by strategy slot and lanes bucket."""
+        names = [*labels, "slot", "lanes"]
+        state = GaugeMetricFamily(PREFIX + "spec_gate_state", "Speculation gate per strategy slot and "
+                                  "decoding-lanes bucket: 1 exploring, 2 drafting, 3 stopped (drafting "
+                                  "did not pay; probed again later).", labels=names)
+        draft = GaugeMetricFamily(PREFIX + "spec_draft_seconds_per_token", "Decode seconds per emitted "
+                                  "token over the gate's window of drafting ticks.", labels=names)
+        plain = GaugeMetricFamily(PREFIX + "spec_plain_seconds_per_token", "Decode seconds per emitted "
+                                  "token over the gate's window of ticks without drafts.", labels=names)
+        for w, b, _ in rows:
+            for at, code in enumerate(b["spec_gate_state"]):
+                if not code:
+                    continue
+                cell = [self.name, w, str(at // _SPEC_BUCKETS + 1), str(1 << at % _SPEC_BUCKETS)]
+                state.add_metric(cell, code)
+                draft.add_metric(cell, b["spec_draft_ns_per_token"][at] * 1e-9)
+                plain.add_metric(cell, b["spec_plain_ns_per_token"][at] * 1e-9)
+        yield from (state, draft, plain)
 
 
 def make_registry(name: str, workers: WorkerSource,

@@ -12,6 +12,7 @@ from superfluid.executor.check import admitted_span
 from superfluid.executor.decode import lane_fault_code
 from superfluid.executor.lanes import Lane
 from superfluid.executor.seeds import SeedUse
+from superfluid.executor.spec import LaneSpec, drafts
 
 _GREEDY, _HOST = int(Sampling.GPU_GREEDY), int(Sampling.HOST)
 _IGNORE_EOS = int(ParamFlag.IGNORE_EOS)
@@ -67,7 +68,15 @@ class AdmitPhase:
             if cursor is not None:  # the check replayed it; the lane borrows the grammar until its end
                 ex.grammars.borrow(a.grammar_handle, a.lane_tag)
                 lane.grammar_handle, lane.grammar = a.grammar_handle, cursor
-            self.admit_results.append(AdmitResult(lane_tag=a.lane_tag, status=1, reject_code=0, cert_id=0,
+            # A lane that drafts gets its strategy's cert and keeps its class (spec_decode.py
+            # says why); one that cannot draft (HOST, grammar, bias, logprobs) gets cert 0.
+            cert = 0
+            if a.strategy_slot:
+                st = ex.strategies.get(a.strategy_slot)
+                if drafts(a.sampling, a.grammar_handle, bias, a.want_logprobs):
+                    lane.spec = LaneSpec(st)
+                    cert = st.cert_id
+            self.admit_results.append(AdmitResult(lane_tag=a.lane_tag, status=1, reject_code=0, cert_id=cert,
                                                   granted_class=granted))
             if use is None:
                 lane.seq = self._create("creating a sequence the check made room for")

@@ -104,7 +104,7 @@ def _admits(ex, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], di
         if a.decode_replay >= prompt.size:
             raise reject(Status.RejectBounds, f"{f}.decode_replay",
                          f"{a.decode_replay} >= the prompt's {prompt.size} tokens")
-        if a.strategy_slot:
+        if a.strategy_slot and a.strategy_slot not in ex.strategies:
             raise reject(Status.RejectIllegalCombination, f"{f}.strategy_slot",
                          f"no strategy is installed in slot {a.strategy_slot}")
         if a.grammar_handle:

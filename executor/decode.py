@@ -1,7 +1,8 @@
 """Decode and the events (SPEC §4): rounds in which every decoding lane
 feeds its pending token and picks the next (on the device where the runtime
 samples, else on the host), decode_replay's rounds, finishes, HOST rows to
-the logits ring, and the TickEvents that report the tick.
+the logits ring, and the TickEvents that report the tick. Drafting lanes'
+rounds (a draft verified in the same feed) are spec_decode.py's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from superfluid.abi import Fault, Finish, Sampling, Status, TickStatus
-from superfluid.abi.records import LaneEmit, LaneLogprob, RingRef, ShedReport, TickEvents, TickTimings
+from superfluid.abi.records import LaneEmit, LaneLogprob, RingRef, ShedReport, SpecStats, TickEvents, TickTimings
 from superfluid.engine.runtime import (CapacityError, FatalError, Feed, LaneFault, RuntimeFailure, SampleSpec,
                                       TokenMasks)
 from superfluid.executor import sampling as hs
@@ -83,7 +84,13 @@ class DecodePhase:
             round_.append((tag, lane.pending_input))
             lane.pending_input = None
         self._replay(replaying, remaining)
+        if not ex.strategies.slots:
+            self._rounds(round_, remaining)
+            return
+        t0 = ex.clock()
+        self._spec_begin(remaining)
         self._rounds(round_, remaining)
+        self._spec_end((ex.clock() - t0) / 1e9, bool(replaying))
 
     def _replay(self, replaying: list[int], remaining: dict[int, int]) -> None:
         """decode_replay: the prompt's tail, one token a round, as decode fed
@@ -168,6 +175,7 @@ class DecodePhase:
         eos = rt.vocabulary().eos
         max_len = desc.max_seq_len
         picked: dict[int, int] = {}
+        verified = self.spec_rows  # drafting lanes' rows of this round: tag -> (rows, draft)
         while True:
             # Grammar lanes of this round: those feeding a token, and those with a row to pick from.
             need = [tag for tag, _ in round_ if ex.lanes[tag].grammar is not None]
@@ -176,39 +184,28 @@ class DecodePhase:
             bits, masks = self._grammar_masks(need, remaining) if need else (None, {})
             if len(masks) < len(need):
                 round_ = [(tag, tok) for tag, tok in round_ if tag not in self.faulted_now]
+            drafts = self._drafts(round_, remaining) if self.spec_over else None
             for i in range(0, len(round_), max(1, desc.max_batch)):
                 chunk = round_[i:i + max(1, desc.max_batch)]
-                lanes = [ex.lanes[tag] for tag, _ in chunk]
-                feeds = [Feed(ln.seq, [tok], True) for ln, (_, tok) in zip(lanes, chunk)]
-                tags = [tag for tag, _ in chunk]
-                specs = [self._engine_spec(ln) for ln in lanes]
-                if all(s is not None for s in specs):
-                    tm = self._token_masks(bits, masks, tags) if masks else None
-                    try:
-                        toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
-                    except RuntimeFailure as e:
-                        code = lane_fault_code(e)
-                        if code is None:
-                            raise ex.fatal("a decode step", e) from e
-                        for tag in tags:
-                            self.fault(tag, code)
-                            remaining.pop(tag, None)
-                        continue
-                    if toks is not None:
-                        picked.update(zip(tags, toks))
-                        continue
-                got = self.step(feeds, tags, "a decode step")
-                if got is None:
-                    for tag in tags:
-                        remaining.pop(tag, None)
-                    continue
-                self.rows.update(zip(tags, got))
+                if drafts and any(tag in drafts for tag, _ in chunk):
+                    self._verify_chunk(chunk, drafts, remaining, bits, masks, picked)
+                else:
+                    self._step_chunk(chunk, bits, masks, remaining, picked)
             round_ = []
-            for tag in sorted(set(self.rows) | set(picked)):
+            ready = set(self.rows) | set(picked)
+            if verified:
+                ready.update(verified)
+            for tag in sorted(ready):
                 lane = ex.lanes.get(tag)
                 if lane is None or tag not in remaining:
                     self.rows.pop(tag, None)
                     picked.pop(tag, None)
+                    verified.pop(tag, None)
+                    continue
+                if tag in verified:
+                    token = self._take_verified(lane, *verified.pop(tag), remaining, eos, max_len)
+                    if token is not None:
+                        round_.append((tag, token))
                     continue
                 if len(lane.committed) >= max_len:
                     self.rows.pop(tag, None)
@@ -262,6 +259,37 @@ class DecodePhase:
                     remaining.pop(tag, None)
                 break
 
+    def _step_chunk(self, chunk: list[tuple[int, int]], bits, masks: dict[int, int], remaining: dict[int, int],
+                    picked: dict[int, int]) -> None:
+        """One step of a round's chunk of one-token feeds: its tokens picked
+        on the device where the runtime samples them all, else its rows."""
+        ex, rt = self.ex, self.rt
+        lanes = [ex.lanes[tag] for tag, _ in chunk]
+        feeds = [Feed(ln.seq, [tok], True) for ln, (_, tok) in zip(lanes, chunk)]
+        tags = [tag for tag, _ in chunk]
+        specs = [self._engine_spec(ln) for ln in lanes]
+        if all(s is not None for s in specs):
+            tm = self._token_masks(bits, masks, tags) if masks else None
+            try:
+                toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
+            except RuntimeFailure as e:
+                code = lane_fault_code(e)
+                if code is None:
+                    raise ex.fatal("a decode step", e) from e
+                for tag in tags:
+                    self.fault(tag, code)
+                    remaining.pop(tag, None)
+                return
+            if toks is not None:
+                picked.update(zip(tags, toks))
+                return
+        got = self.step(feeds, tags, "a decode step")
+        if got is None:
+            for tag in tags:
+                remaining.pop(tag, None)
+            return
+        self.rows.update(zip(tags, got))
+
     def _host_pick(self, lane: Lane, row: np.ndarray, mask: np.ndarray | None = None) -> int:
         ex = self.ex
         exempt = frozenset()
@@ -302,7 +330,12 @@ class DecodePhase:
                 self.fault(tag, Fault.REF_SPAN_OOB)
                 continue
             ex.tokens_emitted += len(tokens)
-            emits.append(LaneEmit(lane_tag=tag, token_ref=ref, n_tokens=len(tokens), finish=finish))
+            spec = self.spec_stats.get(tag) if self.spec_stats else None
+            if spec is None:
+                emits.append(LaneEmit(lane_tag=tag, token_ref=ref, n_tokens=len(tokens), finish=finish))
+            else:
+                emits.append(LaneEmit(lane_tag=tag, token_ref=ref, n_tokens=len(tokens), finish=finish,
+                                      spec=SpecStats(*spec)))
         status = (_TICK_LANE_ERRORS if self.faults else
                   _TICK_SHED if self.chunks_dropped or self.evictions else _TICK_OK)
         shed = ShedReport(self.chunks_dropped, self.evictions, self.bytes_evicted, tuple(self.shed))

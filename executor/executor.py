@@ -3,9 +3,9 @@
 `Executor.tick(plan)` is SPEC §3–§4: `check` (check.py, memory.py) reads
 the whole plan against the state and either rejects it (a status; nothing
 changes) or returns a Verdict; `apply` then runs the plan's phases in order
-(tick.py, decode.py) and returns TickEvents. Ops (SPEC §7) go through `op`
-(ops.py). The executor never touches tensors: it drives the runtime through
-its primitives and samples on the host with numpy.
+(tick.py, decode.py, spec_decode.py) and returns TickEvents. Ops (SPEC §7)
+go through `op` (ops.py). The executor never touches tensors: it drives the
+runtime through its primitives and samples on the host with numpy.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from superfluid.executor.grammar import GrammarRegistry
 from superfluid.executor.lanes import FaultedLanes, Lane
 from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
+from superfluid.executor.spec import StrategyTable
+from superfluid.executor.spec_gate import SpecGate
 from superfluid.executor.tick import Tick
 
 EXIT_FATAL = 70
@@ -93,6 +95,8 @@ class Executor:
         self.tick_count = 0
         self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias
         self.grammars = GrammarRegistry.for_runtime(runtime)  # handles, and the lane borrowing each
+        self.strategies = StrategyTable()  # op INSTALL_STRATEGY's slots (spec.py)
+        self.spec_gate = SpecGate(self.strategies)  # whether drafting pays; .snapshot() for metrics and benches
         self.next_handle = 1
         self.inject_fault: dict[int, int] = {}  # lane tag -> fault code, fired at its next decode
         self.completions: list = []  # OpCompletion records for the next events
@@ -282,13 +286,15 @@ class Executor:
         faulted = [(t, getattr(self.faulted.lanes.get(t), "session", None)) for t in sorted(self.faulted)]
         put(self.last_plan_seq, self.tick_count, self._nonce, faulted, sorted(self.inject_fault.items()),
             sorted(self.biases), self.next_handle, len(self.pending_shed), self.seeded_tokens,
-            [(h, self.grammars.borrower(h)) for h in self.grammars.handles()])
+            [(h, self.grammars.borrower(h)) for h in self.grammars.handles()],
+            [st.describe() for st in self.strategies], self.strategies.next_cert, self.spec_gate.snapshot())
         for tag in sorted(self.lanes):
             ln = self.lanes[tag]
             put(tag, ln.seq, ln.sampling, tuple(ln.params), ln.rng_base, ln.rng_counter, ln.prompt, ln.prefill_end,
                 ln.prefilled, ln.committed, ln.pending_input, ln.pending_row, ln.finished, ln.logprobs_top,
                 ln.granted_class, ln.session, self.runtime.seq_len(ln.seq), ln.grammar_handle,
-                None if ln.grammar is None else ln.grammar.tokens)
+                None if ln.grammar is None else ln.grammar.tokens,
+                None if ln.spec is None else (ln.spec.strategy.cert_id, ln.spec.depth))
         for e in sorted(self.cache.all(), key=lambda e: e.eid):
             put(e.eid, e.seq, e.tokens, e.prompt_len, e.bytes, e.last_used, e.pins, e.seeded, e.checkpoint, e.bare,
                 None if e.blob is None else hashlib.sha256(e.blob).hexdigest(),

@@ -38,6 +38,7 @@ class Lane:
     grammar: Any = None  # its grammar.Matcher while it borrows one
     logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
     granted_class: int = 0
+    spec: Any = None  # its spec.LaneSpec when it was admitted with a strategy it can draft with
     # Fixed for the lane's life, worked out once at admission (the decode loop reads them every round).
     greedy: bool = False
     ignore_eos: bool = False

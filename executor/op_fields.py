@@ -92,13 +92,13 @@ def u64_list(msg: dict, name: str) -> list[int]:
     return v
 
 
-def u32(msg: dict, name: str, default: int | None = None, lo: int = 0) -> int:
-    """An unsigned 32-bit field, at least lo; default when absent (None: required)."""
+def u32(msg: dict, name: str, default: int | None = None, lo: int = 0, hi: int = _U32) -> int:
+    """An unsigned 32-bit field in lo..hi; default when absent (None: required)."""
     if name not in msg and default is not None:
         return default
     v = field(msg, name, int)
-    if not lo <= v <= _U32:
-        raise OpError(OpStatus.BadRequest, f"field {name!r}: {echo(v)} is outside {lo}..{_U32}")
+    if not lo <= v <= hi:
+        raise OpError(OpStatus.BadRequest, f"field {name!r}: {echo(v)} is outside {lo}..{hi}")
     return v
 
 

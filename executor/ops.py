@@ -1,10 +1,11 @@
 """Ops (SPEC §7): msgpack maps {op, op_id, ...} that change executor state
 between ticks. An op's failure is its completion's status; it never affects
-a tick. Strategies are a later issue: INSTALL_STRATEGY answers
-Unsupported. Grammars compile in grammar.py; a runtime without a tokenizer
-answers Unsupported. The seed ops are in seed_ops.py, the lane ops in lane_ops.py. An error message
-quotes at most ECHO_BYTES of any input value and is clipped whole here, so
-no input makes a completion big."""
+a tick. INSTALL_STRATEGY fills a slot of spec.py's table (Unsupported
+where the runtime cannot verify drafts). Grammars compile in grammar.py; a
+runtime without a tokenizer answers Unsupported. The seed ops are in
+seed_ops.py, the lane ops in lane_ops.py. An error message quotes at most
+ECHO_BYTES of any input value and is clipped whole here, so no input makes a
+completion big."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import numpy as np
 from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
-from superfluid.executor import grammar as gr, sampling as hs
+from superfluid.executor import grammar as gr, sampling as hs, spec
 from superfluid.executor.op_fields import MAX_ERROR_BYTES, OpError, clip, echo
-from superfluid.executor.op_fields import field as _field, handle as _handle
+from superfluid.executor.op_fields import field as _field, handle as _handle, u32 as _u32
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -151,6 +152,23 @@ def _release_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, 0, b""
 
 
+def _install_strategy(ex, msg: dict) -> tuple[int, int, bytes]:
+    """Fill (or replace) a strategy slot; value = its new cert_id. Lanes admitted
+    earlier keep the strategy they got."""
+    why = spec.unsupported_because(ex.runtime)
+    if why is not None:  # before the fields: no strategy of any kind can work here
+        raise OpError(OpStatus.Unsupported, why)
+    slot = _u32(msg, "slot", lo=1, hi=spec.MAX_SLOTS)
+    kind = _field(msg, "kind", str)
+    if kind not in spec.KINDS:
+        raise OpError(OpStatus.BadRequest, f"field 'kind': {echo(kind)} is not one of {', '.join(spec.KINDS)}")
+    max_draft = _u32(msg, "max_draft", lo=1, hi=spec.MAX_DRAFT)
+    ngram_min = _u32(msg, "ngram_min", lo=1, hi=spec.MAX_NGRAM)
+    ngram_max = _u32(msg, "ngram_max", lo=ngram_min, hi=spec.MAX_NGRAM)
+    st = ex.strategies.install(slot, kind, max_draft, ngram_min, ngram_max)
+    return 0, st.cert_id, b""
+
+
 def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
     if not ex.fault_injection:
         raise OpError(OpStatus.Refused, "fault injection is off (start the worker with --fault-injection)")
@@ -184,12 +202,6 @@ def _cache_clear(ex, msg: dict) -> tuple[int, int, bytes]:
     return 0, freed, b""
 
 
-def _unsupported(what: str):
-    def run(ex, msg: dict) -> tuple[int, int, bytes]:
-        raise OpError(OpStatus.Unsupported, f"{what} are not supported by this executor yet")
-    return run
-
-
 from superfluid.executor import lane_ops, seed_ops  # noqa: E402 (they use the field readers above)
 
 _OPS = {
@@ -202,7 +214,7 @@ _OPS = {
     OpKind.RELEASE_SEED: seed_ops.release_seed,
     OpKind.REGISTER_GRAMMAR: _register_grammar,
     OpKind.RELEASE_GRAMMAR: _release_grammar,
-    OpKind.INSTALL_STRATEGY: _unsupported("speculation strategies"),
+    OpKind.INSTALL_STRATEGY: _install_strategy,
     OpKind.EXPORT_ENTRY: seed_ops.export_entry,
     OpKind.IMPORT_STATE: seed_ops.import_state,
     OpKind.LIST_LANES: lane_ops.list_lanes,

@@ -1,9 +1,10 @@
 """Running an accepted plan (SPEC §4), phase by phase, in the SPEC's order:
 evictions the check planned, retires (publish or free), cache settling,
 commits, then (admit.py) seed takeovers and admits, seeded or fresh, then
-prefill; decode and the events are in decode.py. Nothing here can reject: the check has made sure
-that everything fits, so a runtime failure is a lane's fault or fatal.
-The retires and the cache's upkeep (RetirePhase) also run op RETIRE_LANES.
+prefill; decode and the events are in decode.py, drafting in spec_decode.py.
+Nothing here can reject: the check has made sure that everything fits, so a
+runtime failure is a lane's fault or fatal. The retires and the cache's
+upkeep (RetirePhase) also run op RETIRE_LANES.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from superfluid.executor.check import Verdict
 from superfluid.executor.admit import AdmitPhase
 from superfluid.executor.decode import DecodePhase, lane_fault_code
 from superfluid.executor.lanes import Lane
+from superfluid.executor.spec_decode import SpecPhase
 
 # A prompt shorter than this is not checkpointed on an exact_only runtime: it is cheap to run again.
 CHECKPOINT_MIN_TOKENS = 128
@@ -153,7 +155,7 @@ class RetirePhase:
                 self.free(lane.seq, "a retire")
 
 
-class Tick(AdmitPhase, DecodePhase, RetirePhase):
+class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
     """One applied plan's working state."""
 
     def __init__(self, ex, v: Verdict):
@@ -179,6 +181,13 @@ class Tick(AdmitPhase, DecodePhase, RetirePhase):
         self.partial = bool(plan.flags & _PARTIAL_EMITS) and ex.partial_sink is not None
         self.yielded = False
         self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
+        # Drafting (spec_decode.py), filled only where a lane of an installed strategy decodes.
+        self.spec_over: dict[int, int] = {}  # drafting lanes: overshoot left
+        self.spec_stats: dict[int, list[int]] = {}  # lanes of a strategy: [proposed, accepted, cert in effect]
+        self.spec_rows: dict[int, tuple] = {}  # a round's verified feeds: tag -> (rows, draft)
+        self.spec_decisions: dict = {}  # Strategy -> whether its lanes draft this tick
+        self.spec_lanes = 0  # non-HOST lanes decoding (the gate's bucket)
+        self.spec_free_rows = 0
 
     # ----------------------------------------------------------- faults
 

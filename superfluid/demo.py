@@ -3,7 +3,8 @@
 It starts a daemon on the embedded tiny model (written from a seed; nothing
 is downloaded), drives a mixed workload through the reference planner —
 shared system prompts, greedy, sampled and host-sampled lanes, and lanes
-whose output a JSON schema constrains (llguidance) — once
+whose output a JSON schema constrains (llguidance); the greedy lanes draft
+by prompt lookup (speculation, which never changes a token) — once
 uninterrupted and once with the worker killed (SIGKILL) mid-run, checks that
 every request's tokens are the same bitwise, prints a summary, and shuts
 everything down.
@@ -74,7 +75,8 @@ def workload(vocab: int, n: int, seed: int = 7) -> list[dict[str, Any]]:
             temperature=0.8, top_k=40, top_p=0.95, min_p=0.02)
         out.append(dict(prompt=prompt, max_new_tokens=96 if json_lane else rng.randrange(24, 64), sampling=mode,
                         params=params, rng_base=1000 * (i + 1),
-                        grammar=("json_schema", json.dumps(SCHEMA)) if json_lane else None))
+                        grammar=("json_schema", json.dumps(SCHEMA)) if json_lane else None,
+                        speculate=mode == Sampling.GPU_GREEDY and not json_lane))
     return out
 
 
@@ -114,15 +116,17 @@ def _run(name: str, reqs: list[dict[str, Any]], label: str, kill_after_tokens: i
          budget: int, grant: int) -> tuple[dict[int, list[int]], Any, list[str]]:
     from superfluid.client import Client
     from superfluid.client.planner import Planner
+    from superfluid.client.strategies import Strategy
 
     notes: list[str] = []
     with Client.connect(name, 0, timeout=120) as client:
-        planner = Planner(client, prefill_token_budget=budget, decode_grant=grant)
+        planner = Planner(client, prefill_token_budget=budget, decode_grant=grant, strategy=Strategy())
         ids = []
         for r in reqs:
             host = _host_sampler(r["params"]) if r["sampling"] == Sampling.HOST else None
             ids.append(planner.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"],
-                                      rng_base=r["rng_base"], host_sampler=host, grammar=r["grammar"]))
+                                      rng_base=r["rng_base"], host_sampler=host, grammar=r["grammar"],
+                                      speculate=r["speculate"]))
         bar = _Progress(len(ids), label)
         start = time.monotonic()
         killed = False
@@ -194,6 +198,8 @@ def run(*, requests: int = 24, model: str | None = None, backend: str = "torch",
         ("cache hit tokens", f"{s.seeded_tokens} prompt tokens seeded by {s.leases} leases, not prefilled "
                              f"(uninterrupted: {base.stats.seeded_tokens})"),
         ("sheds", f"{s.prefill_chunks_shed} prefill chunks ({s.prefill_tokens_shed} tokens), {s.evictions} evictions"),
+        ("speculation", f"{sum(r['speculate'] for r in reqs)} greedy lanes drafting: {s.draft_accepted} of "
+                        f"{s.draft_proposed} draft tokens taken"),
         ("restarts", f"{s.restarts}"),
         ("recovered == uninterrupted", f"{len(same)}/{len(first)} requests bitwise equal"),
         ("JSON-schema answers", f"{sum(a is not None for a in answers)}/{len(answers)} valid"

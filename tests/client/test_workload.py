@@ -126,21 +126,26 @@ GRAMMAR_WORKLOAD = {"options": {"decode_grant": 2},
                         "params": {"temperature": 1.0}, "grammar": {"kind": "choice", "choices": ["alpha", "beta"]}}]}
 
 
-def test_grammar_requests_through_a_daemon_survive_a_worker_kill(tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny_daemon(tmp_path_factory):
+    d = Serve(tmp_path_factory.mktemp("wl-tiny"), f"wlt{os.getpid()}", "--restart-backoff", "0.05")
+    try:
+        d.wait_log("worker 0 ready (epoch 1")
+        yield d.name
+    finally:
+        d.close()
+
+
+def test_grammar_requests_through_a_daemon_survive_a_worker_kill(tiny_daemon):
     """JSON-schema lanes through `superfluid serve` (the tiny model): valid
     JSON every time, and a kill -9 mid-lane changes no token (re-admitted
     with grammar_replay = generated)."""
     import jsonschema
 
-    d = Serve(tmp_path_factory.mktemp("wl-grammar"), f"wlg{os.getpid()}", "--restart-backoff", "0.05")
-    try:
-        d.wait_log("worker 0 ready (epoch 1")
-        with Client.connect(d.name, timeout=120) as c:
-            plain = wl.run(c, GRAMMAR_WORKLOAD, 300)
-        with Client.connect(d.name, timeout=120) as c:
-            killed = wl.run(c, {**GRAMMAR_WORKLOAD, "kill_worker_after_tokens": 20}, 300)
-    finally:
-        d.close()
+    with Client.connect(tiny_daemon, timeout=120) as c:
+        plain = wl.run(c, GRAMMAR_WORKLOAD, 300)
+    with Client.connect(tiny_daemon, timeout=120) as c:
+        killed = wl.run(c, {**GRAMMAR_WORKLOAD, "kill_worker_after_tokens": 20}, 300)
     assert killed["stats"]["killed"] and killed["stats"]["restarts"] >= 1
     assert any(r["admissions"] > 1 for r in killed["results"])  # the kill did cut lanes short
     assert [r["tokens"] for r in killed["results"]] == [r["tokens"] for r in plain["results"]]
@@ -148,3 +153,36 @@ def test_grammar_requests_through_a_daemon_survive_a_worker_kill(tmp_path_factor
         assert r["finish"] == "grammar"
         jsonschema.validate(json.loads(bytes(r["tokens"]).decode()), SCHEMA)
     assert bytes(plain["results"][6]["tokens"]).decode() in ("alpha", "beta")
+
+
+SPEC_WORKLOAD = {"options": {"decode_grant": 3},
+                 "requests": [{"prompt": [40 + i, 41 + i, 42 + i, 40 + i, 41 + i], "max_new_tokens": 40,
+                               "stop_at_eos": False} for i in range(3)]
+                 + [{"prompt": [9, 8, 7, 9, 8], "max_new_tokens": 30, "sampling": "sample", "rng_base": 5,
+                     "params": {"temperature": 0.7, "top_k": 8}, "stop_at_eos": False},
+                    {"prompt": [3, 4, 5], "max_new_tokens": 12, "speculate": False}]}
+
+
+def test_speculation_through_a_daemon_changes_no_token_and_survives_a_worker_kill(tiny_daemon):
+    """Prompt lookup through `superfluid serve` (the tiny model): the same
+    tokens as without a strategy, with drafts taken, and the same again
+    through a kill -9 (the strategy is installed again on the new worker)."""
+    strategy = {"max_draft": 6, "ngram_min": 1, "ngram_max": 3}
+    with Client.connect(tiny_daemon, timeout=120) as c:
+        plain = wl.run(c, SPEC_WORKLOAD, 300)
+    with Client.connect(tiny_daemon, timeout=120) as c:
+        spec = wl.run(c, {**SPEC_WORKLOAD, "options": {**SPEC_WORKLOAD["options"], "strategy": strategy}}, 300)
+    with Client.connect(tiny_daemon, timeout=120) as c:
+        killed = wl.run(c, {**SPEC_WORKLOAD, "options": {**SPEC_WORKLOAD["options"], "strategy": strategy},
+                            "kill_worker_after_tokens": 50}, 300)
+    tokens = [r["tokens"] for r in plain["results"]]
+    assert [r["tokens"] for r in spec["results"]] == tokens == [r["tokens"] for r in killed["results"]]
+    assert [len(t) for t in tokens] == [40, 40, 40, 30, 12]
+    assert plain["stats"]["draft_proposed"] == 0 and spec["stats"]["draft_accepted"] > 0  # drafts were taken
+    assert killed["stats"]["killed"] and killed["stats"]["restarts"] >= 1
+    assert any(r["admissions"] > 1 for r in killed["results"])
+
+
+def test_a_bad_strategy_names_its_field():
+    with pytest.raises(ValueError, match="options.strategy"):
+        wl.load({"options": {"strategy": {"depth": 3}}, "requests": []})

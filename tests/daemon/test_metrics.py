@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status, WorkerState
-from superfluid.abi.records import (LaneEmit, LanePrefill, OpCompletion, ShedEntry, ShedReport, TickEvents,
-                                    TickMemCounters, TickPlan, TickTimings)
+from superfluid.abi.records import (LaneEmit, LanePrefill, OpCompletion, ShedEntry, ShedReport, SpecStats,
+                                    TickEvents, TickMemCounters, TickPlan, TickTimings)
 from superfluid.daemon.metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
 from superfluid.daemon.status import worker_snapshot
 
@@ -185,6 +185,45 @@ def test_counters_carry_over_a_restart_and_gauges_do_not(block: WorkerMetrics, s
     assert scraper.value("superfluid_worker_tick_seconds_count") == 2
     assert scraper.value("superfluid_worker_live_lanes") == 1
     second.close()
+
+
+def test_speculation_counters_and_the_gate_by_slot_and_lanes(block: WorkerMetrics, scraper: Scraper) -> None:
+    from superfluid.executor.spec import StrategyTable
+    from superfluid.executor.spec_gate import MIN_SAMPLES, SpecGate
+
+    w = WorkerMetrics.from_fd(block.fd)
+    spec = (SpecStats(proposed=8, accepted=5, cert_id_in_effect=1), SpecStats(), SpecStats(3, 0, 2))
+    ev = events(wall_s=0.001, emits=(6, 1, 1))._replace(
+        emits=tuple(LaneEmit(lane_tag=i, n_tokens=n, spec=s) for i, (n, s) in enumerate(zip((6, 1, 1), spec))))
+    w.tick(plan(), ev)
+    w.tick(plan(), events(emits=(2,)))  # no drafts
+    assert scraper.value("superfluid_worker_spec_proposed_total") == 11
+    assert scraper.value("superfluid_worker_spec_accepted_total") == 5
+    assert scraper.samples("superfluid_worker_spec_gate_state") == {}  # no figures yet: no series
+
+    # A gate as the executor keeps it (executor.spec_gate): slot 2 drafting at 1 lane,
+    # stopped at 8 (3-8 lanes share the bucket); the worker writes its snapshot.
+    table = StrategyTable()
+    table.install(1, "prompt_lookup", 4, 1, 2)
+    st = table.install(2, "prompt_lookup", 4, 1, 2)
+    gate = SpecGate(table)
+    for _ in range(2 * MIN_SAMPLES):
+        on = gate.decide(st, 1)
+        gate.record(st, 1, on, 0.001 if on else 0.002, 1)
+        on = gate.decide(st, 5)
+        gate.record(st, 5, on, 0.004 if on else 0.002, 1)
+    w.spec_gate(gate.snapshot())
+    state = scraper.samples("superfluid_worker_spec_gate_state", worker="0")
+    assert state == {("1", "2"): 2, ("8", "2"): 3}  # (lanes, slot): 2 drafting, 3 stopped
+    draft = scraper.samples("superfluid_worker_spec_draft_seconds_per_token", worker="0")
+    plain = scraper.samples("superfluid_worker_spec_plain_seconds_per_token", worker="0")
+    assert draft == {("1", "2"): pytest.approx(0.001), ("8", "2"): pytest.approx(0.004)}
+    assert plain == {("1", "2"): pytest.approx(0.002), ("8", "2"): pytest.approx(0.002)}
+
+    w.close()
+    block.restarted()  # gauges go with the worker, counters stay
+    assert scraper.samples("superfluid_worker_spec_gate_state") == {}
+    assert scraper.value("superfluid_worker_spec_proposed_total") == 11
 
 
 def test_a_second_worker_keeps_to_its_own_series(block: WorkerMetrics, scraper: Scraper) -> None:

@@ -295,14 +295,13 @@ def test_cache_clear_with_a_failing_free_completes(ex):
     assert done.op_id == 1 and len(ex.cache) == 0
 
 
-# ---------------------------------------------------------------- later issues
+# ---------------------------------------------------------------- unsupported
 
 
-@pytest.mark.parametrize("name", ["REGISTER_GRAMMAR", "INSTALL_STRATEGY"])
-def test_ops_of_later_issues_are_unsupported(ex, name):
+def test_grammars_without_a_tokenizer_are_unsupported(ex):
     before = snapshot(ex)
-    done = op(ex, op=name, tokens=[1, 2], schema="{}", handle=1)
-    assert done.status == int(OpStatus.Unsupported) and done.op == int(OpKind[name])
+    done = op(ex, op="REGISTER_GRAMMAR", kind="regex", text="a+")
+    assert done.status == int(OpStatus.Unsupported) and done.op == int(OpKind.REGISTER_GRAMMAR)
     assert before == snapshot(ex)
 
 
