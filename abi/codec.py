@@ -115,6 +115,10 @@ class RecordCodec:
         self._many: dict[int, struct.Struct] = {}
         self.unflatten: Callable[[tuple, memoryview, str], Any]
         self.flatten: Callable[[Any, bytearray, str], tuple]
+        # For records with no span at any depth (every row type but OpCompletion):
+        # a span's rows in one frame, not a call (and a field path) per row.
+        self.unflatten_rows: Callable[[Any], tuple] | None = None
+        self.flatten_rows: Callable[[Any], list] | None = None
 
     def many(self, n: int) -> struct.Struct:
         s = self._many.get(n)
@@ -132,7 +136,8 @@ def _gen(name: str) -> None:
     """Generate flatten/unflatten for `name` (and the records it holds)."""
     c = CODECS[name] = RecordCodec(name)
     env: dict[str, Any] = {"_span": _read_span, "_place": _place, "_arr": _arr, "_chars": _chars,
-                           "_NO_SPAN": (0, 0), "_tn": tuple.__new__}
+                           "_NO_SPAN": (0, 0), "_tn": tuple.__new__,
+                           "_chain": chain.from_iterable}
 
     def need(rec: str) -> None:
         for f in LAYOUTS[rec]:
@@ -190,9 +195,46 @@ def _gen(name: str) -> None:
     expr, _ = unflat(name, 0)
     src = (f"def unflatten(t, a, p):\n    return {expr}\n"
            f"def flatten(r, a, p):\n    return ({', '.join(flat(name, 'r', True))},)\n")
+    rows = not _has_span(name)
+    if rows:
+        src += f"def unflatten_rows(ts):\n    return tuple([{expr} for t in ts])\n"
+        unpack = _unpacking(name)
+        if unpack is not None:  # scalars and structs only: one unpacking a row, no indexing
+            target, values = unpack
+            src += f"def flatten_rows(rs):\n    return _chain([({values},) for {target} in rs])\n"
+        else:
+            src += f"def flatten_rows(rs):\n    return _chain([({', '.join(flat(name, 'r', False))},) for r in rs])\n"
     exec(compile(src, f"<codec {name}>", "exec"), env)
     c.unflatten = env["unflatten"]
     c.flatten = env["flatten"]
+    if rows:
+        c.unflatten_rows = env["unflatten_rows"]
+        c.flatten_rows = env["flatten_rows"]
+
+
+def _unpacking(name: str, names: list[str] | None = None) -> tuple[str, str] | None:
+    """(for-target, values) that unpack one row of `name` into its flat
+    fields, e.g. ("(v0, (v1, v2), v3)", "v0, v1, v2, v3"); None when it has
+    an array or chars field (those need padding and checks)."""
+    top = names is None
+    names = [] if top else names
+    parts = []
+    for f in LAYOUTS[name]:
+        if f.kind == "scalar":
+            names.append(f"v{len(names)}")
+            parts.append(names[-1])
+        elif f.kind == "struct":
+            sub = _unpacking(f.sub, names)
+            if sub is None:
+                return None
+            parts.append(sub[0])
+        else:
+            return None
+    return f"({', '.join(parts)},)", (", ".join(names) if top else "")
+
+
+def _has_span(name: str) -> bool:
+    return any(f.kind == "span" or (f.kind == "struct" and _has_span(f.sub)) for f in LAYOUTS[name])
 
 
 def _arr(v, length: int) -> tuple:
@@ -217,10 +259,18 @@ def _place(arena: bytearray, items, item: RecordCodec | None) -> tuple[int, int]
         n = len(data)
     else:
         n = len(items)
-        rows = [item.flatten(it, arena, item.name) for it in items]
         try:
-            data = item.many(n).pack(*chain.from_iterable(rows))
+            flat = None
+            if item.flatten_rows is not None:
+                try:
+                    flat = item.flatten_rows(items)
+                except (ValueError, TypeError):
+                    pass  # a row of another shape: the row-by-row path below packs it or says what is wrong
+            if flat is None:
+                flat = chain.from_iterable([item.flatten(it, arena, item.name) for it in items])
+            data = item.many(n).pack(*flat)
         except (struct.error, OverflowError) as e:
+            rows = [item.flatten(it, arena, item.name) for it in items]
             for i, row in enumerate(rows):
                 try:
                     item.struct.pack(*row)
@@ -255,6 +305,8 @@ def _read_span(arena: memoryview, off: int, count: int, item: RecordCodec | None
     if item.flat:
         cls = item.cls
         return tuple([tuple.__new__(cls, r) for r in rows])
+    if item.unflatten_rows is not None:
+        return item.unflatten_rows(rows)
     return tuple(item.unflatten(t, arena, f"{parent}.{fname}[{i}]") for i, t in enumerate(rows))
 
 

@@ -49,7 +49,13 @@ _IDLE_SLICE_NS = int(IDLE_SLICE_S * 1e9)
 _monotonic = time.monotonic
 _sane = lib.sf_queue_sane
 _peek_at = lib.sf_queue_peek_at
+_wait_peek = lib.sf_queue_wait_peek
+_release = lib.sf_queue_release
+_reserve_at = lib.sf_queue_reserve_at
+_publish = lib.sf_queue_publish
 _now_ns = lib.sf_monotonic_ns
+_REPORT_NS = int(REPORT_S * 1e9)
+_session_of = codec.session_of
 
 
 def _counter_struct(first: str, last: str) -> tuple[int, struct.Struct]:
@@ -105,7 +111,7 @@ class Worker:
         self._comp_session = 0  # whose ops the pending completions answer
         self._blocked_since = 0
         self._geometry_at = self._reported_at = 0.0
-        self._due = 0.0  # when the loop next looks at the daemon's channel, every queue and the header
+        self._due_ns = 0  # when the loop next looks at the daemon's channel, every queue and the header
         self._gauges: tuple | None = None  # what metrics.gauges was last told
         h = segment.header
         self._epoch_p = ffi.addressof(h, "worker_epoch")
@@ -114,6 +120,7 @@ class Worker:
         self._counters_mv = memoryview(ffi.buffer(ffi.addressof(h, "counters"), ffi.sizeof("WorkerCounters")))
         self._plan_view = segment.plan_queue._view
         self._op_view = segment.op_queue._view
+        self._event_view = segment.event_queue._view
         # Started by the daemon (it told us the geometry): the name and index are in
         # the path it gave, the daemon is our parent. What to put back on line 0.
         named = parse_segment_path(segment.path)
@@ -142,11 +149,10 @@ class Worker:
         comps = ev.op_completions
         if not comps:
             if not self._outbox:  # the common case: straight into a free slot, no outbox
-                q = self.seg.event_queue
-                slot = q.try_reserve()
-                if slot is not None:
-                    codec.encode_into(slot, "TickEvents", ev, session=session)
-                    if q.try_publish():
+                i = _reserve_at(self._event_view)  # (this loop's alone, as the plan queue's view)
+                if i >= 0:
+                    codec.encode_into(self.seg.event_queue._slots[i], "TickEvents", ev, session=session)
+                    if _publish(self._event_view) == 0:
                         return
             self._outbox.append(("TickEvents", ev, session))
             return
@@ -248,6 +254,7 @@ class Worker:
                   f"{q.n_slots} slots); reset both to {to}", file=sys.stderr)
             self._outbox.appendleft(("QueueReset", QueueReset(worker_epoch=self.epoch, queue=int(kind), head=head,
                                                               tail=tail, reset_to=to), 0))
+            self._life_counters()  # queue_resets, before the QueueReset goes out
 
     def _report(self, due: bool = False) -> None:
         """The header's worker fields are this worker's report: put back
@@ -282,6 +289,19 @@ class Worker:
     def _counters(self) -> None:
         """WorkerCounters and the metrics gauges, current (the header's
         report fields: _report, from the loop's periodic look)."""
+        self._tick_counters()
+        self._life_counters()
+
+    def _life_counters(self, now_ns: int | None = None) -> None:
+        """The heartbeat and the loop's own counters: every REPORT_S from
+        the loop (and whenever it idles or blocks), not every plan; what
+        moves them writes its own word at once too (session, stale)."""
+        _LIFE_WORDS.pack_into(self._counters_mv, _LIFE_AT, _now_ns() if now_ns is None else now_ns,
+                              self._blocked_since, self.session, self.stale_messages, self.queue_resets)
+
+    def _tick_counters(self) -> None:
+        """What a tick moves, and the metrics gauges: every plan, before its
+        events go out."""
         ex = self.ex
         mv = self._counters_mv
         lanes, entries, cache_bytes = len(ex.lanes), len(ex.cache), ex.cache.resident_bytes
@@ -289,8 +309,6 @@ class Worker:
                               cache_bytes, ex.tokens_emitted)
         if ex.last_fault is not None:
             _FAULT.pack_into(mv, _FAULT_AT, *ex.last_fault)
-        _LIFE_WORDS.pack_into(mv, _LIFE_AT, _now_ns(), self._blocked_since, self.session, self.stale_messages,
-                              self.queue_resets)
         if self.metrics is not None:
             g = (lanes, entries, cache_bytes, ex.seeded_tokens)
             if g != self._gauges:  # unchanged gauges: nothing to write
@@ -354,11 +372,13 @@ class Worker:
     # --------------------------------------------------------------- plans
 
     def _plan(self, slot) -> None:
-        session = codec.session_of(slot)
+        # The plan queue's view is this loop's alone (one thread; the segment
+        # closes only after run() returns): its C calls go straight in.
+        session = _session_of(slot)
         plan = None
         if not self._current(session):
             seq = plan_seq_of(slot)
-            self.seg.plan_queue.try_release()
+            _release(self._plan_view)
             ev = TickEvents(plan_seq=seq, status=int(Status.StaleSession), worker_epoch=self.epoch,
                             message=self._stale("plan", session).encode())
         else:
@@ -366,13 +386,13 @@ class Worker:
                 plan = decode_plan(slot)
             except PlanReject as r:
                 seq = plan_seq_of(slot)
-                self.seg.plan_queue.try_release()
+                _release(self._plan_view)
                 self.ex.rejects += 1
                 ev = self.ex._refused(seq, r.status, r.field, r.message).events
             else:
-                self.seg.plan_queue.try_release()  # decoded: the planner may queue the next plan now
+                _release(self._plan_view)  # decoded: the planner may queue the next plan now
                 ev = self.ex.tick(plan, decoded=True).events
-        self._counters()  # before the events go out: a planner that sees them sees the counters too
+        self._tick_counters()  # before the events go out: a planner that sees them sees the counters too
         if self.metrics is not None:
             self.metrics.tick(plan, ev)
         self._emit_events(ev, session)
@@ -388,38 +408,58 @@ class Worker:
         self._report()
         plans, ex = seg.plan_queue, self.ex
         plan_view, op_view = self._plan_view, self._op_view
+        slots, spin = plans._slots, plans.spin
         # Busy (plans came): spin for the next one as the plan queue's SpinBudget
-        # says (the planner's recent turnarounds); idle: sleep, do not burn a core.
+        # says (the planner's recent turnarounds, so a planner that answers at
+        # once finds the worker spinning, not asleep on the futex); idle (a
+        # slice passed with no plan): spin 0 and sleep, do not burn a core.
         busy = True
+        now = _now_ns()  # the loop's clock: read after each wait and each plan, nowhere else
         try:
             while True:
                 # What needs no answer within a tick (the daemon's stop, the
-                # other queues' counters, the header's report) is looked at
-                # every REPORT_S, not every plan: a plan pays two C calls here.
-                now = _monotonic()
-                if now >= self._due:
-                    self._due = now + REPORT_S
+                # other queues' counters, the header's report, the heartbeat)
+                # is looked at every REPORT_S, not every plan: a plan pays
+                # two C calls here.
+                if now >= self._due_ns:
+                    self._due_ns = now + _REPORT_NS
                     if self.control.stop_requested():
                         raise Stopped()
                     self._guard()
                     self._report(due=True)
+                    self._life_counters(now)
+                    start = 0  # (the clock is read again below)
                 elif not _sane(plan_view):
                     self._guard(every=False)
+                    start = 0
+                else:
+                    start = now  # a few checks ago: near enough for the budget's running mean
                 if _peek_at(op_view) >= 0:
                     self._drain_ops()
-                if ex.completions and plans.try_peek() is None:
+                    start = 0
+                if ex.completions and _peek_at(plan_view) < 0:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
                 if self._outbox:
-                    self._flush()
-                slot = plans.peek_within(_IDLE_SLICE_NS, None if busy else 0)
-                if slot is None:
+                    self._flush()  # (may wait for event room: the budget counts only the wait below)
+                    start = 0
+                if busy:
+                    if not start:
+                        start = _now_ns()
+                    i = _wait_peek(plan_view, ffi.NULL, 0, 0, _IDLE_SLICE_NS, spin.spin_ns())
+                    now = _now_ns()
+                    spin.waited(now - start)
+                else:
+                    i = _wait_peek(plan_view, ffi.NULL, 0, 0, _IDLE_SLICE_NS, 0)
+                    now = _now_ns()
+                if i < 0:
                     busy = False
                     self._counters()
                     continue
                 busy = True
                 if _peek_at(op_view) >= 0:
                     self._drain_ops()
-                self._plan(slot)
+                self._plan(slots[i])
+                now = _now_ns()
         except Stopped:
             seg.set_worker_state(WorkerState.STOPPING)
             self._counters_final()

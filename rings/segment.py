@@ -118,6 +118,8 @@ def _up(n: int) -> int:
 
 
 _QUEUES = ("plan", "event", "op", "stream")
+_STATES = {int(s): s for s in WorkerState}
+_load_u64, _load_u32 = lib.sf_load_acquire_u64, lib.sf_load_acquire_u32
 _RINGS = (("prompt", RingId.PROMPT, "prompt_tokens"), ("token", RingId.TOKENS, "emit_tokens"),
           ("logits", RingId.LOGITS, "logits_floats"))
 
@@ -146,6 +148,9 @@ class Segment:
         self.made_as: tuple[str, int] | None = None  # (name, index) when this process made it
         self._base = ffi.from_buffer(mm)
         self.header = ffi.cast("SegmentHeader *", self._base)
+        # The words a planner reads every plan (epoch, state): addressed once.
+        self._epoch_p = ffi.addressof(self.header, "worker_epoch")
+        self._state_p = ffi.addressof(self.header, "worker_state")
         self.size = len(mm)
         self.closed = False
         self._attach()
@@ -418,15 +423,18 @@ class Segment:
 
     @property
     def epoch(self) -> int:
-        return lib.sf_load_acquire_u64(ffi.addressof(self._live(), "worker_epoch"))
+        if self.closed:
+            self._live()
+        return _load_u64(self._epoch_p)
 
     @property
     def worker_state(self) -> WorkerState | int:
-        v = self._u32("worker_state")
-        try:
-            return WorkerState(v)
-        except ValueError:
-            return v  # no daemon or worker wrote that: a planner scribbled (readers must not choke on it)
+        if self.closed:
+            self._live()
+        v = _load_u32(self._state_p)
+        # A value no daemon or worker writes comes back as the int: a planner
+        # scribbled (readers must not choke on it).
+        return _STATES.get(v, v)
 
     def set_worker_state(self, state: int) -> None:
         lib.sf_set_worker_state(self._live(), int(state))  # wakes sf_wait_ready sleepers

@@ -43,6 +43,7 @@ type Conn struct {
 	orphans                  map[uint64]bool // lanes a stale plan admitted on the new worker
 	early                    []any           // a newer epoch's messages, read before Reconnect
 	desc                     *Describe
+	spins                    map[*C.QueueView]*spinBudget // each queue's waits, as its recent waits say
 
 	QueueResets   []QueueReset // the worker found a queue corrupted and reset it
 	Dropped       int          // event-queue messages that did not decode

@@ -226,9 +226,19 @@ extern "C" {
  *   LaneAdmit.logit_bias_handle (any number of lanes); value = entries.
  * RELEASE_LOGIT_BIAS  handle u64 > 0 (required). handle = it; lanes admitted with it keep it.
  *   UnknownHandle: no such bias.
- * INSTALL_STRATEGY  Unsupported today, whatever its fields (speculation is a later issue; SPEC §7
- *   names slot, kind, max_draft, ngram_min, ngram_max). An admit with strategy_slot != 0 is
- *   RejectIllegalCombination.
+ * INSTALL_STRATEGY  slot u32 1..8, kind "prompt_lookup", max_draft u32 1..64, ngram_min u32 1..8,
+ *   ngram_max u32 ngram_min..8 (all required). Prompt-lookup drafting: a lane drafts the tokens that
+ *   followed the latest earlier occurrence of its longest matching suffix n-gram, and the executor
+ *   verifies the draft in one step, picking each row as a plain round would, so a drafting lane's
+ *   tokens are bitwise those it would decode without drafts (its granted_class is what it would be
+ *   without the strategy). value = the new cert_id. Installing a filled slot replaces its
+ *   strategy (new cert_id); lanes admitted earlier keep theirs. An admit naming an empty slot is
+ *   RejectIllegalCombination. A lane drafts only if GPU_GREEDY/GPU_SAMPLE with no grammar, logit
+ *   bias or logprobs (else it is admitted with cert_id 0 and decodes plainly). Drafts take only
+ *   cells the plan's memory check left spare: they never make a plan NeedsReplan nor fault a lane.
+ *   Whether drafting pays is measured (decode seconds per token with and without, per strategy and
+ *   batch size); where it does not, lanes decode plainly and drafting is probed again later.
+ *   Unsupported: the runtime has no step_rows or cannot truncate to any length (exact_only).
  * EXPORT_ENTRY  handle (required: a seed lease), path str (optional, non-empty). The lease's whole
  *   entry (all its tokens, not only the leased prefix) as a blob: the runtime's state wrapped with
  *   its runtime_id and tokens. value = blob bytes; payload {blob: bin}, or with path none: the
@@ -357,8 +367,13 @@ typedef struct Span {
  *   token as it is sampled. The worker waits up to 1 s for room once per tick,
  *   then drops what does not fit; the plan's TickEvents still has every token.
  * - Waits: after sending, spin about 200 us (spin_ns 200000: a peer's turnaround),
- *   then sleep on the futex; idle, spin 0. The worker spins as long for the next
- *   plan after each tick. sf_queue_wait_* sleep in slices of SF_WAIT_SLICE_NS and,
+ *   then sleep on the futex; idle, spin 0. Spin only while that queue's recent waits
+ *   typically ended within about twice the spin (a running mean, 1/8 a wait, of waits
+ *   each counted at most 4 spins): a wait that usually outlasts it (ticks of
+ *   milliseconds) sleeps at once, leaving the core to the worker's threads; an empty
+ *   tick is answered while spinning. The Python, Rust and Go clients do this (SpinBudget).
+ *   The worker spins so for the next plan after each tick, and sleeps (spin 0) once
+ *   a 5 ms slice passes with no plan. sf_queue_wait_* sleep in slices of SF_WAIT_SLICE_NS and,
  *   given the segment, return SF_WAIT_GONE once the worker is gone, so even a wait
  *   with no deadline ends. A tick can take seconds (a long prefill): time a reply out in seconds
  *   (the Python client's default is 30 s). Every timeout is in ns in C (< 0:
@@ -414,7 +429,7 @@ typedef struct LanePrefill {
 typedef struct LaneDecode {
     uint64_t lane_tag;  /* live lane, or admitted in this plan; not finished */
     uint16_t max_new_tokens;  /* tokens (rounds) granted; replayed tokens count; HOST lanes: 1 */
-    uint16_t overshoot;       /* tokens a verified draft may run past the grant (no drafting yet) */
+    uint16_t overshoot;       /* tokens a verified draft may take past max_new_tokens (drafting lanes) */
     uint32_t _pad0;
 } LaneDecode;
 
@@ -461,14 +476,14 @@ typedef struct AdmitResult {
     uint64_t lane_tag;  /* the admitted lane */
     uint32_t status;         /* SF_ADMIT_* */
     uint32_t reject_code;    /* 0 (a plan with a bad admit is rejected whole) */
-    uint32_t cert_id;        /* speculation certificate in effect; 0 = none */
+    uint32_t cert_id;        /* INSTALL_STRATEGY cert_id of the strategy the lane drafts with; 0 = none */
     uint32_t granted_class;  /* SF_CLASS_* the executor promises */
 } AdmitResult;
 
 typedef struct SpecStats {
-    uint32_t proposed;           /* draft tokens proposed this tick */
-    uint32_t accepted;           /* of which accepted */
-    uint32_t cert_id_in_effect;  /* 0 = no drafting */
+    uint32_t proposed;           /* draft tokens verified this tick */
+    uint32_t accepted;           /* of which the lane took (each is one of its emitted tokens) */
+    uint32_t cert_id_in_effect;  /* the lane's cert_id if drafting was on for it this tick; 0 = off */
     uint32_t _pad0;
 } SpecStats;
 

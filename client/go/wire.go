@@ -17,12 +17,22 @@ func (c *Conn) waitSlot(q *C.QueueView, timeout time.Duration, write bool, what 
 		timeout = 0
 	}
 	ns := C.int64_t(timeout.Nanoseconds())
+	if c.spins == nil {
+		c.spins = map[*C.QueueView]*spinBudget{}
+	}
+	spin := c.spins[q]
+	if spin == nil {
+		spin = &spinBudget{budgetNs: spinNs}
+		c.spins[q] = spin
+	}
+	start := C.sf_monotonic_ns()
 	var i C.int64_t
 	if write {
-		i = C.sf_queue_wait_reserve(q, c.seg, C.uint64_t(c.Epoch), 0, ns, spinNs)
+		i = C.sf_queue_wait_reserve(q, c.seg, C.uint64_t(c.Epoch), 0, ns, C.int64_t(spin.spinNs()))
 	} else {
-		i = C.sf_queue_wait_peek(q, c.seg, C.uint64_t(c.Epoch), 0, ns, spinNs)
+		i = C.sf_queue_wait_peek(q, c.seg, C.uint64_t(c.Epoch), 0, ns, C.int64_t(spin.spinNs()))
 	}
+	spin.waited(int64(C.sf_monotonic_ns() - start))
 	switch {
 	case i >= 0:
 		return int64(i), nil
@@ -33,6 +43,38 @@ func (c *Conn) waitSlot(q *C.QueueView, timeout time.Duration, write bool, what 
 		return 0, &TimeoutError{fmt.Sprintf("%s within %v (worker epoch %d)", what, timeout, c.Epoch)}
 	}
 	return 0, c.gone(0, nil)
+}
+
+// A wait counts at most this many budgets towards the typical one, so an idle
+// spell is forgotten within a few quick answers.
+const longWaitBudgets = 4
+
+// spinBudget is how long a queue's waits spin before they sleep, from how
+// long its recent waits took (the header's wait advice; the Python client's
+// SpinBudget): the whole budget while they typically end within about twice
+// it, none once they typically do not. A wait spun through a long tick
+// (milliseconds) is a core taken from the worker's threads on a small
+// machine; a short one (an empty tick) is answered while spinning.
+type spinBudget struct {
+	budgetNs  int64
+	typicalNs int64 // a running mean (1/8 per wait) of recent waits, each capped
+}
+
+func (s *spinBudget) spinNs() int64 {
+	if s.typicalNs <= 2*s.budgetNs {
+		return s.budgetNs
+	}
+	return 0
+}
+
+func (s *spinBudget) waited(ns int64) {
+	if ns < 0 {
+		ns = 0
+	}
+	if max := longWaitBudgets * s.budgetNs; ns > max {
+		ns = max
+	}
+	s.typicalNs += (ns - s.typicalNs) >> 3
 }
 
 // NextPlanSeq is the plan_seq the next plan gets when it has none.

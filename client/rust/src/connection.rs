@@ -22,6 +22,46 @@ const O_NOFOLLOW: i32 = 0o400000;
 const EWOULDBLOCK: i32 = 11;
 /// The header's wait advice: spin about a peer's turnaround, then sleep.
 pub const SPIN_NS: i64 = 200_000;
+/// A wait counts at most this many budgets towards the typical one, so an
+/// idle spell is forgotten within a few quick answers.
+const LONG_WAIT_BUDGETS: i64 = 4;
+
+/// How long a queue's waits spin before they sleep, from how long its
+/// recent waits took (the header's wait advice; the Python client's
+/// SpinBudget): the whole budget while they typically end within about
+/// twice it, none once they typically do not. A wait spun through a long
+/// tick (milliseconds) is a core taken from the worker's threads on a small
+/// machine; a short one (an empty tick) is answered while spinning.
+#[derive(Clone, Copy, Debug)]
+pub struct SpinBudget {
+    pub budget_ns: i64,
+    typical_ns: i64, // a running mean (1/8 per wait) of recent waits, each capped
+}
+
+impl SpinBudget {
+    pub const fn new(budget_ns: i64) -> SpinBudget {
+        SpinBudget { budget_ns, typical_ns: 0 }
+    }
+
+    /// The spin_ns for the next wait.
+    pub fn spin_ns(&self) -> i64 {
+        if self.typical_ns <= 2 * self.budget_ns { self.budget_ns } else { 0 }
+    }
+
+    /// A wait took `ns`.
+    pub fn waited(&mut self, ns: i64) {
+        let ns = ns.clamp(0, LONG_WAIT_BUDGETS * self.budget_ns);
+        self.typical_ns += (ns - self.typical_ns) >> 3;
+    }
+}
+
+/// One sf_queue_wait_* call, spinning as `spin` says and telling it how long it took.
+pub(crate) fn timed_wait(spin: &mut SpinBudget, wait: impl FnOnce(i64) -> i64) -> i64 {
+    let start = unsafe { sf_monotonic_ns() };
+    let i = wait(spin.spin_ns());
+    spin.waited(unsafe { sf_monotonic_ns() }.wrapping_sub(start) as i64);
+    i
+}
 
 pub struct Connection {
     file: File,
@@ -35,6 +75,10 @@ pub struct Connection {
     plans: QueueView,
     events: QueueView,
     pub(crate) ops: QueueView,
+    // Each queue's waits spin as its own recent waits say.
+    plan_spin: SpinBudget,
+    event_spin: SpinBudget,
+    pub(crate) op_spin: SpinBudget,
     ready: VecDeque<Events>,
     pub(crate) completions: HashMap<u64, Completion>,
     inflight: HashSet<u64>, // plan_seqs sent to this epoch, not answered yet
@@ -109,7 +153,9 @@ impl Connection {
         let mut c = Connection {
             file, base, len, epoch: 0, session: 0, next_seq: 1, next_op: 1, lanes_made: 0,
             plans: unsafe { core::mem::zeroed() }, events: unsafe { core::mem::zeroed() },
-            ops: unsafe { core::mem::zeroed() }, ready: VecDeque::new(), completions: HashMap::new(),
+            ops: unsafe { core::mem::zeroed() }, plan_spin: SpinBudget::new(SPIN_NS),
+            event_spin: SpinBudget::new(SPIN_NS), op_spin: SpinBudget::new(SPIN_NS),
+            ready: VecDeque::new(), completions: HashMap::new(),
             inflight: HashSet::new(), stale: HashSet::new(), orphans: HashSet::new(), early: Vec::new(),
             gone: false, dropped: 0, last_dropped: None, queue_resets: Vec::new(),
             prompt: unsafe { core::mem::zeroed() }, tokens: unsafe { core::mem::zeroed() },
@@ -305,7 +351,9 @@ impl Connection {
             return Err(Error::Bounds(format!("a plan of {} bytes does not fit a plan slot", msg.len())));
         }
         let h = self.header();
-        let i = unsafe { sf_queue_wait_reserve(&mut self.plans, h, self.epoch, 0, ns(timeout), SPIN_NS) };
+        let (plans, epoch) = (&mut self.plans, self.epoch);
+        let i = timed_wait(&mut self.plan_spin,
+                           |spin| unsafe { sf_queue_wait_reserve(plans, h, epoch, 0, ns(timeout), spin) });
         if i < 0 {
             return Err(wait_error(-i, "plan queue room"));
         }
@@ -354,7 +402,8 @@ impl Connection {
         self.check()?;
         let h = self.header();
         let left = ns(deadline.saturating_duration_since(Instant::now()));
-        let i = unsafe { sf_queue_wait_peek(&mut self.events, h, self.epoch, 0, left, SPIN_NS) };
+        let (events, epoch) = (&mut self.events, self.epoch);
+        let i = timed_wait(&mut self.event_spin, |spin| unsafe { sf_queue_wait_peek(events, h, epoch, 0, left, spin) });
         if i < 0 {
             return Err(wait_error(-i, "events"));
         }

@@ -14,7 +14,7 @@ mod planner;
 mod seeds;
 pub mod workload;
 
-pub use connection::{Connection, SPIN_NS};
+pub use connection::{Connection, SpinBudget, SPIN_NS};
 pub use events::{Completion, Error, Events, Message, Shed};
 pub use grammars::{Grammar, GrammarBook};
 pub use ops::{Describe, HeldLane, RuntimeInfo, Seed};

@@ -4,7 +4,7 @@
 //! it answers.
 #![allow(non_upper_case_globals)] // SF_OPST_* keep the header's names
 use crate::abi::*;
-use crate::connection::{Connection, SPIN_NS};
+use crate::connection::{ns, timed_wait, Connection};
 use crate::events::{Completion, Error};
 use crate::grammars::Grammar;
 use core::mem::size_of;
@@ -132,7 +132,10 @@ impl Connection {
             return Err(Error::Bounds(format!("op {name}: {total} bytes do not fit an op slot")));
         }
         let h = self.header();
-        let i = unsafe { sf_queue_wait_reserve(&mut self.ops, h, self.epoch, 0, timeout.as_nanos() as i64, SPIN_NS) };
+        let (ops, epoch) = (&mut self.ops, self.epoch);
+        let i = timed_wait(&mut self.op_spin, |spin| unsafe {
+            sf_queue_wait_reserve(ops, h, epoch, 0, ns(timeout), spin)
+        });
         if i < 0 {
             return Err(if -i == SF_WAIT_TIMEOUT as i64 { Error::Timeout("op queue room") } else { Error::WorkerGone });
         }
