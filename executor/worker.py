@@ -113,6 +113,7 @@ class Worker:
         self._geometry_at = self._reported_at = 0.0
         self._due_ns = 0  # when the loop next looks at the daemon's channel, every queue and the header
         self._gauges: tuple | None = None  # what metrics.gauges was last told
+        self._gate_seen = 0  # the spec gate's `changes` when metrics.spec_gate was last told
         h = segment.header
         self._epoch_p = ffi.addressof(h, "worker_epoch")
         self._state_p = ffi.addressof(h, "worker_state")
@@ -291,6 +292,15 @@ class Worker:
         report fields: _report, from the loop's periodic look)."""
         self._tick_counters()
         self._life_counters()
+        self._gate_gauges()
+
+    def _gate_gauges(self) -> None:
+        """The speculation gate's states and figures, when they moved: from
+        the periodic look and at idle, not every plan (a snapshot is a walk)."""
+        gate = self.ex.spec_gate
+        if self.metrics is not None and gate.changes != self._gate_seen:
+            self._gate_seen = gate.changes
+            self.metrics.spec_gate(gate.snapshot())
 
     def _life_counters(self, now_ns: int | None = None) -> None:
         """The heartbeat and the loop's own counters: every REPORT_S from
@@ -428,6 +438,7 @@ class Worker:
                     self._guard()
                     self._report(due=True)
                     self._life_counters(now)
+                    self._gate_gauges()
                     start = 0  # (the clock is read again below)
                 elif not _sane(plan_view):
                     self._guard(every=False)

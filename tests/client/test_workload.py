@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from superfluid.client import Client
 from superfluid.client import workload as wl
 
-from tests.daemon.test_daemon import Serve
+from tests.daemon.test_daemon import Serve, wait_for
 from tests.daemon.test_planner_boundary import start_fake
 
 
@@ -128,10 +129,12 @@ GRAMMAR_WORKLOAD = {"options": {"decode_grant": 2},
 
 @pytest.fixture(scope="module")
 def tiny_daemon(tmp_path_factory):
-    d = Serve(tmp_path_factory.mktemp("wl-tiny"), f"wlt{os.getpid()}", "--restart-backoff", "0.05")
+    d = Serve(tmp_path_factory.mktemp("wl-tiny"), f"wlt{os.getpid()}", "--restart-backoff", "0.05",
+              "--metrics-port", "0")
     try:
         d.wait_log("worker 0 ready (epoch 1")
-        yield d.name
+        d.metrics_port = int(d.log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
+        yield d
     finally:
         d.close()
 
@@ -142,9 +145,9 @@ def test_grammar_requests_through_a_daemon_survive_a_worker_kill(tiny_daemon):
     with grammar_replay = generated)."""
     import jsonschema
 
-    with Client.connect(tiny_daemon, timeout=120) as c:
+    with Client.connect(tiny_daemon.name, timeout=120) as c:
         plain = wl.run(c, GRAMMAR_WORKLOAD, 300)
-    with Client.connect(tiny_daemon, timeout=120) as c:
+    with Client.connect(tiny_daemon.name, timeout=120) as c:
         killed = wl.run(c, {**GRAMMAR_WORKLOAD, "kill_worker_after_tokens": 20}, 300)
     assert killed["stats"]["killed"] and killed["stats"]["restarts"] >= 1
     assert any(r["admissions"] > 1 for r in killed["results"])  # the kill did cut lanes short
@@ -168,11 +171,19 @@ def test_speculation_through_a_daemon_changes_no_token_and_survives_a_worker_kil
     tokens as without a strategy, with drafts taken, and the same again
     through a kill -9 (the strategy is installed again on the new worker)."""
     strategy = {"max_draft": 6, "ngram_min": 1, "ngram_max": 3}
-    with Client.connect(tiny_daemon, timeout=120) as c:
+    with Client.connect(tiny_daemon.name, timeout=120) as c:
         plain = wl.run(c, SPEC_WORKLOAD, 300)
-    with Client.connect(tiny_daemon, timeout=120) as c:
+    with Client.connect(tiny_daemon.name, timeout=120) as c:
         spec = wl.run(c, {**SPEC_WORKLOAD, "options": {**SPEC_WORKLOAD["options"], "strategy": strategy}}, 300)
-    with Client.connect(tiny_daemon, timeout=120) as c:
+    # The gate's figures and the drafts reach the daemon's metrics (the worker reports them when idle).
+    url = f"http://127.0.0.1:{tiny_daemon.metrics_port}/metrics"
+    wait_for(lambda: 'superfluid_worker_spec_gate_state{' in urllib.request.urlopen(url, timeout=10).read().decode(),
+             "the gate's state in the metrics")
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    accepted = sum(float(line.split()[-1]) for line in body.splitlines()
+                   if line.startswith("superfluid_worker_spec_accepted_total{"))
+    assert accepted == spec["stats"]["draft_accepted"] > 0
+    with Client.connect(tiny_daemon.name, timeout=120) as c:
         killed = wl.run(c, {**SPEC_WORKLOAD, "options": {**SPEC_WORKLOAD["options"], "strategy": strategy},
                             "kill_worker_after_tokens": 50}, 300)
     tokens = [r["tokens"] for r in plain["results"]]
