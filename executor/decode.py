@@ -273,12 +273,7 @@ class DecodePhase:
             try:
                 toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
             except RuntimeFailure as e:
-                code = lane_fault_code(e)
-                if code is None:
-                    raise ex.fatal("a decode step", e) from e
-                for tag in tags:
-                    self.fault(tag, code)
-                    remaining.pop(tag, None)
+                self.step_failed(e, tags, "a decode step", remaining)
                 return
             if toks is not None:
                 picked.update(zip(tags, toks))

@@ -143,12 +143,7 @@ class SpecPhase:
             self._step_chunk(chunk, bits, masks, remaining, picked)
             return
         except RuntimeFailure as e:
-            code = lane_fault_code(e)
-            if code is None:
-                raise ex.fatal("a draft verification", e) from e
-            for tag in tags:
-                self.fault(tag, code)
-                remaining.pop(tag, None)
+            self.step_failed(e, tags, "a draft verification", remaining)
             return
         if got is None or len(got) != len(feeds) or any(len(r) != len(f.tokens) for r, f in zip(got, feeds)):
             raise ex.fatal("a draft verification", RuntimeError("step_rows did not return a row per fed token"))

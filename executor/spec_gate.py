@@ -10,7 +10,7 @@ bucket, a GateWindow keeps the last WINDOW samples of each kind and answers:
 
 - explore: until each kind has MIN_SAMPLES samples, draft until drafting has
   them, then not until plain decoding has them;
-- on (draft seconds per token <= MARGIN x plain seconds per token: a draft
+- on (draft seconds per token <= MARGIN (0.9) x plain seconds per token: a draft
   must pay clearly, since at a tie the two figures' noise decides): draft, but every
   REFRESH_EVERY-th decision decodes plainly, so the plain figure stays fresh;
 - off (drafting costs more per token): decode plainly; after PROBE_AFTER
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 
 WINDOW = 16
-MARGIN = 0.95
+MARGIN = 0.9
 MIN_SAMPLES = 3
 REFRESH_EVERY = 32
 PROBE_AFTER = 256  # a probe drafts MIN_SAMPLES ticks: where drafting costs 2x, ~1% of the time

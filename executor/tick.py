@@ -211,12 +211,20 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
         try:
             return self.rt.step(feeds)
         except RuntimeFailure as e:
-            code = lane_fault_code(e)
-            if code is None:
-                raise self.ex.fatal(during, e) from e
-            for tag in tags:
-                self.fault(tag, code)
+            self.step_failed(e, tags, during)
             return None
+
+    def step_failed(self, e: RuntimeFailure, tags: list[int], during: str,
+                    remaining: dict[int, int] | None = None) -> None:
+        """A step of these lanes failed: they fault (and decode no more), or
+        the worker does where the error is no lane's."""
+        code = lane_fault_code(e)
+        if code is None:
+            raise self.ex.fatal(during, e) from e
+        for tag in tags:
+            self.fault(tag, code)
+            if remaining is not None:
+                remaining.pop(tag, None)
 
     # ----------------------------------------------------------- phases
 

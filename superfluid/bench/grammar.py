@@ -44,7 +44,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -372,11 +371,7 @@ def _run(batches, repeats, warmup, requests, max_new, stagger, quick, greedy, fi
                        "warmup_rounds": warmup, "schema_properties": len(SCHEMA["properties"]),
                        "valid_requests": requests, "valid_max_new_tokens": max_new, "quick": quick}
     res["repeats"] = repeats
-    res["load"] = meter.result()
-    res["threads"] = torch.get_num_threads()
-    res["python"], res["cpu_count"] = platform.python_version(), os.cpu_count()
-    res["wall_s"] = round(time.perf_counter() - t_start, 1)
-    return res
+    return system.finish(res, meter, t_start)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from typing import Any
 
@@ -225,11 +223,7 @@ def _run(conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_p
                        "ttft_suffix_tokens": ttft_suffix, "repeats": repeats, "prefill_token_budget": budget,
                        "decode_grant": grant, "kv_cells": cells, "model": model, "sampling": "greedy",
                        "hf_mode": "one generate per turn, the N conversations batched, full history"}
-    res["load"] = meter.result()
-    res["threads"] = torch.get_num_threads()
-    res["python"], res["cpu_count"] = platform.python_version(), os.cpu_count()
-    res["wall_s"] = round(time.perf_counter() - t_start, 1)
-    return res
+    return system.finish(res, meter, t_start)
 
 
 def _main(args: argparse.Namespace) -> int:

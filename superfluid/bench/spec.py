@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -150,7 +148,7 @@ def _workload(workload: str, model: str, batches, tokens: int, repeats: int, gra
     return out
 
 
-def run(*, batches: tuple[int, ...] = BATCHES, tokens: int = 128, repeats: int = 3, grant: int = 8,
+def run(*, batches: tuple[int, ...] = BATCHES, tokens: int = 128, repeats: int = 5, grant: int = 8,
         max_draft: int = 8, ngram_min: int = 1, ngram_max: int = 4, quick: bool = False,
         threads: int | None = None, seed: int = 0) -> dict[str, Any]:
     before = torch.get_num_threads()
@@ -192,11 +190,7 @@ def _run(batches, tokens, repeats, grant, max_draft, ngram_min, ngram_max, quick
                        "decode_grant": grant, "repeats": repeats,
                        "strategy": strategy.fields(), "quick": quick,
                        "models": {w: model_params(w, quick) for w in ("hit", "miss")}}
-    res["load"] = meter.result()
-    res["threads"] = torch.get_num_threads()
-    res["python"], res["cpu_count"] = platform.python_version(), os.cpu_count()
-    res["wall_s"] = round(time.perf_counter() - t_start, 1)
-    return res
+    return system.finish(res, meter, t_start)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -224,7 +218,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens a request (default 128)")
-    p.add_argument("--repeats", type=int, default=None, help="runs a side and batch (default 3)")
+    p.add_argument("--repeats", type=int, default=None, help="runs a side and batch (default 5)")
     p.add_argument("--grant", type=int, default=8, help="the planner's decode_grant (default 8)")
     p.add_argument("--max-draft", type=int, default=8)
     p.add_argument("--ngram-min", type=int, default=1)

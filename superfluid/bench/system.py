@@ -86,6 +86,18 @@ class LoadMeter:
                 "other_processes_cpu_share": share, "wall_s": round(wall, 1)}
 
 
+def finish(res: dict[str, Any], meter: "LoadMeter", t_start: float) -> dict[str, Any]:
+    """A bench result's conditions: the load while it ran, threads, Python,
+    cores and wall seconds since t_start (time.perf_counter())."""
+    import platform
+
+    res["load"] = meter.result()
+    res["threads"] = torch.get_num_threads()
+    res["python"], res["cpu_count"] = platform.python_version(), os.cpu_count()
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return res
+
+
 def peak_gflops(dtype: torch.dtype, device: str = "cpu", n_max: int = 2048, repeats: int = 3,
                 min_s: float = 0.05) -> tuple[float, int]:
     """(GF/s, n): the best of `repeats` n x n x n torch.mm at the current

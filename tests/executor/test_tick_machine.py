@@ -194,19 +194,26 @@ class TickMachine(RuleBasedStateMachine):
             COVERAGE.update(self.planner.stats)
 
 
+# What a run must have met (hypothesis explores; these are what the machine is for).
+MUST_MEET = ("ok", "tokens", "commit", "host_row", "retire", "retire_publish", "yield", "solo",
+             f"fault_{int(Fault.INTERNAL)}", f"fault_{int(Fault.INJECTED)}", "shed_reason_1", "needs_replan",
+             "evict_reason_3", "finish_1", "finish_2", "seeded", "seed_from_host", "seed_adopt", "release",
+             "import", f"evict_reason_{int(ShedReason.TAKEOVER)}")
+
+
 def test_tick_machine():
     COVERAGE.clear()
-    for cfg in range(len(CONFIGS)):
-        machine = type(f"TickMachine{cfg}", (TickMachine,), {"cfg": cfg})
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=25, stateful_step_count=40, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    # The run did what it is for (hypothesis explores; these are the things it must have met).
-    for what in ("ok", "tokens", "commit", "host_row", "retire", "retire_publish", "yield", "solo",
-                 f"fault_{int(Fault.INTERNAL)}", f"fault_{int(Fault.INJECTED)}", "shed_reason_1",
-                 "needs_replan",
-                 "evict_reason_3", "finish_1", "finish_2", "seeded", "seed_from_host", "seed_adopt", "release",
-                 "import", f"evict_reason_{int(ShedReason.TAKEOVER)}"):
+    # Which paths a run meets depends a little on time (prefill steps are sized from measured
+    # seconds), so a rare one missed by the fixed-seed pass gets up to two random passes more.
+    for extra in range(3):
+        if extra and all(COVERAGE[w] for w in MUST_MEET):
+            break
+        for cfg in range(len(CONFIGS)):
+            machine = type(f"TickMachine{cfg}", (TickMachine,), {"cfg": cfg})
+            run_state_machine_as_test(machine, settings=settings(
+                max_examples=25, stateful_step_count=40, deadline=None, derandomize=not extra, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    for what in MUST_MEET:
         assert COVERAGE[what] > 0, (what, COVERAGE)
 
 
