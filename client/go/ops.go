@@ -156,6 +156,18 @@ func (c *Conn) ReleaseGrammar(handle uint64, timeout time.Duration) error {
 	return err
 }
 
+// InstallStrategy: op INSTALL_STRATEGY, filling s.Slot (replacing what it
+// held); the new cert_id. A strategy the worker refuses is an *OpError with
+// its message (BadRequest: a field out of range, named; Unsupported: a
+// runtime that cannot verify drafts).
+func (c *Conn) InstallStrategy(s *Strategy, timeout time.Duration) (uint64, error) {
+	done, err := c.opOK("INSTALL_STRATEGY", s.Fields(), nil, timeout)
+	if err != nil {
+		return 0, err
+	}
+	return done.Value, nil
+}
+
 // LaneInfo is a row of LIST_LANES.
 type LaneInfo struct {
 	Tag       uint64 `codec:"tag"`

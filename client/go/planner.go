@@ -16,7 +16,13 @@ import (
 // decode_replay = generated, rng_counter_base = base + sampled (SPEC §9).
 // A constrained request's grammar is registered when it is submitted and
 // released when it is done (GrammarBook); a re-admission replays what it
-// generated into a fresh matcher too (grammar_replay = generated).
+// generated into a fresh matcher too (grammar_replay = generated). With a
+// speculation strategy (PlannerOptions.Strategy, client/strategies.py) the
+// planner installs it in NewPlanner (a strategy the worker refuses fails
+// it), and again at the first admission after a restart; requests that
+// speculate (all but NoSpeculate ones) are admitted with its slot and
+// granted overshoot: drafted tokens the worker verified past the tick's
+// grant, never past MaxNewTokens.
 
 // HostSampler picks a token from a logits row; position is the draw's rng
 // position (rng_base + tokens sampled so far), the key the engine uses too.
@@ -37,6 +43,7 @@ type RequestOptions struct {
 	IgnoreEOS   bool
 	HostSampler HostSampler // required for SF_SAMPLING_HOST
 	Grammar     *Grammar    // the output follows it (not with SF_SAMPLING_HOST)
+	NoSpeculate bool        // don't admit it with the planner's strategy
 }
 
 // Request is what the user asked, and what came back so far.
@@ -50,7 +57,8 @@ type Request struct {
 	TokenTimes  []time.Time
 	Finish      string // "" (running), "eos", "grammar", "length", "max_tokens", "unservable"
 	FinishedAt  time.Time
-	Admissions  int // > 1: re-admitted after a restart, a fault or a preemption
+	Admissions  int  // > 1: re-admitted after a restart, a fault or a preemption
+	Speculate   bool // admitted with the planner's strategy (drafting never changes its tokens)
 
 	seed   *Seed // a lease for its next admission
 	noSeed bool  // its lease went stale: admit it without one this time
@@ -104,6 +112,9 @@ type PlannerOptions struct {
 	TickTimeout        time.Duration
 	ReconnectTimeout   time.Duration
 	NoLeases           bool // don't lease cached prefixes for admissions
+	// Strategy: a speculation strategy installed on the worker and named by
+	// every request's admission unless it opts out (NoSpeculate); nil: none.
+	Strategy *Strategy
 }
 
 type PlannerStats struct {
@@ -117,6 +128,8 @@ type PlannerStats struct {
 	Faults, Preemptions, Restarts        int
 	SeededTokens                         int // prompt tokens admissions took from seed leases
 	Leases                               int // LEASE_SEED asked and granted
+	DraftProposed                        int // draft tokens the worker verified (LaneEmit.Spec)
+	DraftAccepted                        int // of them, the tokens taken
 }
 
 type RequestResult struct {
@@ -134,12 +147,13 @@ type Report struct {
 }
 
 type Planner struct {
-	Conn     *Conn
-	Opts     PlannerOptions
-	Stats    PlannerStats
-	Seeds    *SeedBook
-	Grammars *GrammarBook
-	Clock    func() time.Time
+	Conn       *Conn
+	Opts       PlannerOptions
+	Stats      PlannerStats
+	Seeds      *SeedBook
+	Grammars   *GrammarBook
+	Strategies *StrategyBook
+	Clock      func() time.Time
 
 	eos        map[uint32]bool
 	maxLanes   int
@@ -187,6 +201,10 @@ func NewPlanner(c *Conn, o PlannerOptions) (*Planner, error) {
 	}
 	p.Seeds = NewSeedBook(c, int(d.Runtime.Page), d.Runtime.ExactOnly)
 	p.Grammars = NewGrammarBook(c)
+	p.Strategies = NewStrategyBook(c, o.Strategy)
+	if _, err := p.Strategies.Slot(o.TickTimeout); err != nil {
+		return nil, err // a strategy the worker refuses fails here, not mid-run
+	}
 	p.lanes.clear()
 	return p, nil
 }
@@ -219,7 +237,7 @@ func (p *Planner) Submit(prompt []uint32, maxNewTokens int, o RequestOptions) (i
 		o.Params.Flags |= SF_PARAM_IGNORE_EOS
 	}
 	r := &Request{ID: len(p.requests) + 1, Prompt: append([]uint32(nil), prompt...), MaxNewTokens: maxNewTokens,
-		RequestOptions: o, SubmittedAt: p.Clock()}
+		RequestOptions: o, SubmittedAt: p.Clock(), Speculate: !o.NoSpeculate && p.Strategies.Strategy != nil}
 	if o.Grammar != nil {
 		if _, err := p.Grammars.Handle(r.ID, o.Grammar, p.Opts.TickTimeout); err != nil {
 			return 0, err

@@ -95,6 +95,8 @@ func (p *Planner) absorbEmit(e *LaneEmit, now time.Time) error {
 		return nil
 	}
 	r := l.req
+	p.Stats.DraftProposed += int(e.Spec.Proposed)
+	p.Stats.DraftAccepted += int(e.Spec.Accepted)
 	var tokens []uint32
 	var err error
 	if r.Sampling == SF_SAMPLING_HOST {
@@ -162,6 +164,7 @@ func (p *Planner) recover() error {
 	p.evict, p.admitCap = false, -1 // a fresh worker: empty cache, free memory
 	p.Seeds.Forget()                // and no leases
 	p.Grammars.Forget()             // nor grammars: each is registered again at its next admission
+	p.Strategies.Forget()           // nor the strategy: installed again at the next admission
 	for _, r := range p.requests {
 		r.seed, r.noSeed = nil, false
 	}

@@ -209,6 +209,13 @@ func (p *Planner) admit(d *draft, r *Request) (*lane, error) {
 		}
 		a.GrammarHandle, a.GrammarReplay = h, uint32(sampled)
 	}
+	if r.Speculate {
+		slot, err := p.Strategies.Slot(p.Opts.TickTimeout)
+		if err != nil {
+			return nil, err
+		}
+		a.StrategySlot = slot
+	}
 	if r.seed != nil {
 		value = int(r.seed.Value)
 		a.SeedHandle = r.seed.Handle
@@ -234,7 +241,9 @@ func (p *Planner) admit(d *draft, r *Request) (*lane, error) {
 
 // planDecodes: lanes whose prefill is complete by the end of this tick
 // decode: GPU lanes up to DecodeGrant new tokens (never past max_new_tokens)
-// plus their replay; HOST lanes one token (replayed or new).
+// plus their replay; HOST lanes one token (replayed or new). A lane with the
+// strategy may run past the grant on verified drafts (overshoot) up to what
+// its request has left.
 func (p *Planner) planDecodes(d *draft) {
 	for _, l := range append(append([]*lane(nil), p.lanes.order...), d.admits...) {
 		reached, ok := d.reached[l.tag]
@@ -244,18 +253,29 @@ func (p *Planner) planDecodes(d *draft) {
 		if l.retiring || reached != l.prefillEnd {
 			continue
 		}
-		grant := 1
+		grant, over := 1, 0 // HOST: the executor's rule, the planner picks each token
 		if l.req.Sampling != SF_SAMPLING_HOST {
+			// A re-admitted lane catches up in one tick: its replay, then the usual grant.
+			left := l.req.MaxNewTokens - len(l.req.Generated)
 			n := p.Opts.DecodeGrant
-			if left := l.req.MaxNewTokens - len(l.req.Generated); left < n {
+			if left < n {
 				n = left
 			}
 			grant = l.replayLeft + n
 			if grant > u16Max {
 				grant = u16Max
 			}
+			if l.req.Speculate { // room for every round's draft to be taken whole
+				over = left - n
+				if m := p.Opts.DecodeGrant * p.Strategies.Strategy.MaxDraft; m < over {
+					over = m
+				}
+				if over > u16Max {
+					over = u16Max
+				}
+			}
 		}
-		d.plan.Decode(l.tag, uint16(grant))
+		d.plan.DecodeOvershoot(l.tag, uint16(grant), uint16(over))
 		d.decodes[l.tag] = grant
 	}
 }

@@ -21,7 +21,7 @@ from tests.daemon.test_daemon import Serve
 
 ROOT = Path(__file__).resolve().parents[2]
 CRATE = ROOT / "client" / "rust"
-TESTS = 12  # unit 3, tests/live.rs 3, tests/planner.rs 4, tests/grammar.rs 2
+TESTS = 16  # unit 5, tests/live.rs 3, tests/planner.rs 4, tests/grammar.rs 2, tests/speculation.rs 2
 
 
 def test_the_generated_bindings_match_the_header():
@@ -41,6 +41,7 @@ def target(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cargo-target")
 
 
+@pytest.mark.timeout(900)  # a fresh build, then every live test in turn (a few minutes on two cores)
 def test_cargo_test_against_live_daemons(tmp_path, target):
     _cargo()
     env = dict(os.environ, SUPERFLUID_PYTHON=sys.executable, CARGO_TARGET_DIR=str(target),

@@ -8,6 +8,7 @@ import (
 	"math"
 	"math/big"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -29,7 +30,9 @@ type Workload struct {
 	KillAfter int // SIGKILL the worker once the requests hold this many tokens; -1: never
 }
 
-var optionNames = []string{"prefill_token_budget", "prefill_chunk", "decode_grant", "max_lanes", "use_leases"}
+var optionNames = []string{"prefill_token_budget", "prefill_chunk", "decode_grant", "max_lanes", "use_leases",
+	"strategy"}
+var strategyNames = []string{"max_draft", "ngram_min", "ngram_max"}
 var paramNames = []string{"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
 	"freq_penalty"}
 var samplings = map[string]uint32{"greedy": superfluid.SF_SAMPLING_GPU_GREEDY,
@@ -78,6 +81,10 @@ func Load(data []byte) (*Workload, error) {
 			}
 		case "use_leases":
 			o.NoLeases = !truthy(v)
+		case "strategy":
+			if v != nil {
+				o.Strategy, err = loadStrategy(v)
+			}
 		default:
 			err = fmt.Errorf("options.%s: not an option (%s)", k, strings.Join(optionNames, ", "))
 		}
@@ -209,7 +216,43 @@ func loadRequest(x any, where string) (Request, error) {
 	if v, ok := r["stop_at_eos"]; ok {
 		req.Opts.IgnoreEOS = !truthy(v)
 	}
+	if v, ok := r["speculate"]; ok {
+		req.Opts.NoSpeculate = !truthy(v)
+	}
 	return req, nil
+}
+
+// loadStrategy reads options.strategy as client/workload.py does: an object
+// of some of max_draft, ngram_min, ngram_max (the rest DefaultStrategy's),
+// each Python's int() of it.
+func loadStrategy(v any) (*superfluid.Strategy, error) {
+	m, ok := v.(map[string]any)
+	bad := fmt.Errorf("options.strategy: an object of %s", strings.Join(strategyNames, ", "))
+	if !ok {
+		return nil, bad
+	}
+	for k := range m {
+		if !contains(strategyNames, k) {
+			return nil, bad
+		}
+	}
+	s := superfluid.DefaultStrategy()
+	for k, dst := range map[string]*int{"max_draft": &s.MaxDraft, "ngram_min": &s.NgramMin, "ngram_max": &s.NgramMax} {
+		if x, ok := m[k]; ok {
+			if str, isStr := x.(string); isStr { // int("8"), not int("8.5")
+				if _, err := strconv.Atoi(strings.TrimSpace(str)); err != nil {
+					return nil, fmt.Errorf("options.strategy.%s: an integer", k)
+				}
+				x = json.Number(strings.TrimSpace(str))
+			}
+			n, err := intOf(x, "options.strategy."+k)
+			if err != nil {
+				return nil, err
+			}
+			*dst = n
+		}
+	}
+	return &s, nil
 }
 
 // loadGrammar reads a request's "grammar" as client/workload.py does (and
@@ -265,12 +308,14 @@ type Result struct {
 }
 
 type Stats struct {
-	Ticks        int  `json:"ticks"`
-	Restarts     int  `json:"restarts"`
-	SeededTokens int  `json:"seeded_tokens"`
-	Leases       int  `json:"leases"`
-	Tokens       int  `json:"tokens"`
-	Killed       bool `json:"killed"`
+	Ticks         int  `json:"ticks"`
+	Restarts      int  `json:"restarts"`
+	SeededTokens  int  `json:"seeded_tokens"`
+	Leases        int  `json:"leases"`
+	Tokens        int  `json:"tokens"`
+	Killed        bool `json:"killed"`
+	DraftProposed int  `json:"draft_proposed"`
+	DraftAccepted int  `json:"draft_accepted"`
 }
 
 // Run runs the workload on a connected worker (client/workload.py's run).
@@ -311,7 +356,8 @@ func RunReport(c *superfluid.Conn, w *Workload, timeout time.Duration) (*Output,
 	}
 	rep := p.Report()
 	out := &Output{Stats: Stats{Ticks: rep.Stats.Ticks, Restarts: rep.Stats.Restarts,
-		SeededTokens: rep.Stats.SeededTokens, Leases: rep.Stats.Leases, Tokens: rep.Stats.Tokens, Killed: killed}}
+		SeededTokens: rep.Stats.SeededTokens, Leases: rep.Stats.Leases, Tokens: rep.Stats.Tokens, Killed: killed,
+		DraftProposed: rep.Stats.DraftProposed, DraftAccepted: rep.Stats.DraftAccepted}}
 	for _, r := range rep.Results {
 		res := Result{ID: r.ID, Tokens: r.Tokens, Admissions: r.Admissions}
 		if res.Tokens == nil {
@@ -357,7 +403,8 @@ func (o *Output) JSON() string {
 	}
 	s := o.Stats
 	fmt.Fprintf(&b, `], "stats": {"ticks": %d, "restarts": %d, "seeded_tokens": %d, "leases": %d, "tokens": %d, `+
-		`"killed": %t}}`, s.Ticks, s.Restarts, s.SeededTokens, s.Leases, s.Tokens, s.Killed)
+		`"killed": %t, "draft_proposed": %d, "draft_accepted": %d}}`, s.Ticks, s.Restarts, s.SeededTokens, s.Leases,
+		s.Tokens, s.Killed, s.DraftProposed, s.DraftAccepted)
 	return b.String()
 }
 

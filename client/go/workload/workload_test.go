@@ -261,6 +261,9 @@ func TestLoadRefusesABadWorkload(t *testing.T) {
 		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "regex"}}]}`:                                  "requests[0].grammar.text is missing",
 		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "regex", "text": ["a"]}}]}`:                   "requests[0].grammar.text: a regex grammar is a string",
 		`{"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "host", "grammar": {"kind": "regex", "text": "a"}}]}`: "requests[0].grammar: not with host sampling",
+		`{"options": {"strategy": {"depth": 3}}, "requests": []}`:                                                             "options.strategy: an object of max_draft, ngram_min, ngram_max",
+		`{"options": {"strategy": 3}, "requests": []}`:                                                                        "options.strategy: an object of",
+		`{"options": {"strategy": {"max_draft": "eight"}}, "requests": []}`:                                                   "options.strategy.max_draft",
 	} {
 		if _, err := workload.Load([]byte(src)); err == nil || !strings.Contains(err.Error(), msg) {
 			t.Errorf("%s: %v, want %q", src, err, msg)
@@ -278,6 +281,19 @@ func TestLoadRefusesABadWorkload(t *testing.T) {
 	if err != nil || !reflect.DeepEqual(w.Requests[0].Opts.Grammar, sf.JSONSchema("{}")) ||
 		!reflect.DeepEqual(w.Requests[1].Opts.Grammar, sf.Choice("a", "b")) || w.Requests[2].Opts.Grammar != nil {
 		t.Fatalf("grammars: %+v %v", w, err)
+	}
+	w, err = workload.Load([]byte(`{"options": {"strategy": {"max_draft": "6", "ngram_max": 3.7}}, "requests": [
+		{"prompt": [1], "max_new_tokens": 3}, {"prompt": [1], "max_new_tokens": 3, "speculate": false}]}`))
+	if err != nil || !reflect.DeepEqual(w.Options.Strategy, sf.PromptLookup(6, 1, 3)) ||
+		w.Requests[0].Opts.NoSpeculate || !w.Requests[1].Opts.NoSpeculate {
+		t.Fatalf("strategy: %+v %v", w, err)
+	}
+	for src, want := range map[string]*sf.Strategy{`{}`: nil, `{"strategy": null}`: nil,
+		`{"strategy": {}}`: sf.PromptLookup(8, 1, 4)} {
+		w, err := workload.Load([]byte(`{"options": ` + src + `, "requests": []}`))
+		if err != nil || !reflect.DeepEqual(w.Options.Strategy, want) {
+			t.Errorf("%s: %+v %v", src, w.Options.Strategy, err)
+		}
 	}
 	_ = sf.SF_SAMPLING_HOST
 }

@@ -105,6 +105,8 @@ impl Planner {
     fn absorb_emit(&mut self, emit: &LaneEmit) -> Result<(), Error> {
         let Some(k) = self.lanes.iter().position(|l| l.tag == emit.lane_tag) else { return Ok(()) };
         let id = self.lanes[k].req;
+        self.stats.draft_proposed += emit.spec.proposed as u64;
+        self.stats.draft_accepted += emit.spec.accepted as u64;
         let host = self.requests[id].spec.sampling == SF_SAMPLING_HOST;
         let mut row = None;
         let tokens: Vec<u32> = if !host {

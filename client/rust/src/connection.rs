@@ -477,3 +477,37 @@ impl Drop for Connection {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // As tests/rings/test_spin_budget.py: the whole budget while answers come
+    // quickly, none once they typically take far longer, and quick answers
+    // bring the spin back within a few waits.
+    #[test]
+    fn quick_answers_spin_long_ones_do_not_and_it_comes_back() {
+        let mut s = SpinBudget::new(SPIN_NS);
+        assert_eq!(s.spin_ns(), SPIN_NS); // nothing known yet: spin
+        for _ in 0..20 {
+            s.waited(30_000); // an empty tick's round trip
+        }
+        assert_eq!(s.spin_ns(), SPIN_NS);
+        for _ in 0..20 {
+            s.waited(20_000_000); // ticks of 20 ms
+        }
+        assert_eq!(s.spin_ns(), 0);
+        for _ in 0..8 {
+            s.waited(30_000); // an idle spell counts as long, not as forever
+        }
+        assert_eq!(s.spin_ns(), SPIN_NS);
+        let mut t = SpinBudget::new(SPIN_NS);
+        let i = timed_wait(&mut t, |spin| {
+            assert_eq!(spin, SPIN_NS);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            7
+        });
+        assert_eq!((i, t.spin_ns()), (7, SPIN_NS)); // one long wait: the mean moved, not past the cap
+        assert!(t.typical_ns > 0 && t.typical_ns <= LONG_WAIT_BUDGETS * SPIN_NS / 8 + 1, "{t:?}");
+    }
+}

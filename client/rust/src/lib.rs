@@ -2,7 +2,7 @@
 //! functions of `abi/superfluid.h` (`abi`, generated), a connection that
 //! follows the header's session protocol (`Connection`), typed ops, and the
 //! reference planner (`Planner`, as client/planner.py; its grammars as
-//! client/grammars.py).
+//! client/grammars.py, its speculation strategy as client/strategies.py).
 pub mod abi;
 mod absorb;
 mod connection;
@@ -12,6 +12,7 @@ mod ops;
 mod plan;
 mod planner;
 mod seeds;
+mod strategies;
 pub mod workload;
 
 pub use connection::{Connection, SpinBudget, SPIN_NS};
@@ -21,6 +22,7 @@ pub use ops::{Describe, HeldLane, RuntimeInfo, Seed};
 pub use plan::{params, Admit, LogitsRow, Plan};
 pub use planner::{Finish, HostSampler, Options, Planner, Request, RequestSpec, Stats};
 pub use seeds::SeedBook;
+pub use strategies::{Strategy, StrategyBook};
 
 /// The header's names of its constants (from sf_ring.c, as in every language).
 pub mod names {

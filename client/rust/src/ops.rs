@@ -7,6 +7,7 @@ use crate::abi::*;
 use crate::connection::{ns, timed_wait, Connection};
 use crate::events::{Completion, Error};
 use crate::grammars::Grammar;
+use crate::strategies::Strategy;
 use core::mem::size_of;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -199,6 +200,14 @@ impl Connection {
         let mut f = HashMap::new();
         f.insert("handle", handle);
         self.op("RELEASE_GRAMMAR", &f, timeout)?.ok("RELEASE_GRAMMAR").map(|_| ())
+    }
+
+    /// INSTALL_STRATEGY: fill `s.slot` (replacing what it held); the new
+    /// cert_id. A strategy the worker refuses is `Error::Op` with its message
+    /// (BadRequest: a field out of range, named; Unsupported: a runtime that
+    /// cannot verify drafts).
+    pub fn install_strategy(&mut self, s: &Strategy, timeout: Duration) -> Result<u64, Error> {
+        Ok(self.op("INSTALL_STRATEGY", s, timeout)?.ok("INSTALL_STRATEGY")?.value)
     }
 
     /// Every lane the worker holds, any session's (LIST_LANES, paged).

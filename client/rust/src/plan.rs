@@ -74,6 +74,11 @@ impl Admit {
         self.0.grammar_replay = replay;
         self
     }
+    /// An INSTALL_STRATEGY slot (0: none): the lane may draft with it.
+    pub fn strategy(mut self, slot: u32) -> Self {
+        self.0.strategy_slot = slot;
+        self
+    }
     pub fn logprobs(mut self, n: u32) -> Self {
         self.0.want_logprobs = n;
         self
@@ -121,7 +126,13 @@ impl Plan {
     }
 
     pub fn decode(&mut self, lane_tag: u64, max_new_tokens: u16) -> &mut Self {
-        self.decodes.push(LaneDecode { lane_tag, max_new_tokens, overshoot: 0, _pad0: 0 });
+        self.decode_overshoot(lane_tag, max_new_tokens, 0)
+    }
+
+    /// A grant of `max_new_tokens` plus what a verified draft may run past
+    /// it (`overshoot`; a drafting lane's).
+    pub fn decode_overshoot(&mut self, lane_tag: u64, max_new_tokens: u16, overshoot: u16) -> &mut Self {
+        self.decodes.push(LaneDecode { lane_tag, max_new_tokens, overshoot, _pad0: 0 });
         self
     }
 

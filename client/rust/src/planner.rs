@@ -7,7 +7,12 @@
 //! rng_base + tokens sampled: the request goes on exactly where it was. A
 //! constrained request's grammar is registered when it is submitted and
 //! released when it is done (GrammarBook); a re-admission replays what it
-//! generated into a fresh matcher too.
+//! generated into a fresh matcher too. With a speculation strategy
+//! (Options::strategy, client/strategies.py) the planner installs it when
+//! it is made (a strategy the worker refuses fails `new`), and again at the
+//! first admission after a restart; requests that speculate (the default)
+//! are admitted with its slot and granted overshoot: drafted tokens the
+//! worker verified past the tick's grant, never past max_new_tokens.
 use crate::abi::*;
 use crate::connection::Connection;
 use crate::events::{Error, Events};
@@ -15,6 +20,7 @@ use crate::grammars::{Grammar, GrammarBook};
 use crate::ops::Seed;
 use crate::plan::{Admit, LogitsRow, Plan};
 use crate::seeds::SeedBook;
+use crate::strategies::{Strategy, StrategyBook};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -59,6 +65,9 @@ pub struct RequestSpec {
     pub host_sampler: Option<HostSampler>,
     /// The output follows it (not with HOST sampling).
     pub grammar: Option<Grammar>,
+    /// Admitted with the planner's strategy, if it has one (drafting never
+    /// changes its tokens).
+    pub speculate: bool,
 }
 
 impl std::fmt::Debug for RequestSpec {
@@ -67,7 +76,7 @@ impl std::fmt::Debug for RequestSpec {
             .field("sampling", &self.sampling).field("params", &self.params).field("rng_base", &self.rng_base)
             .field("publish", &self.publish).field("stop_at_eos", &self.stop_at_eos)
             .field("host_sampler", &self.host_sampler.as_ref().map(|_| "callback"))
-            .field("grammar", &self.grammar).finish()
+            .field("grammar", &self.grammar).field("speculate", &self.speculate).finish()
     }
 }
 
@@ -75,7 +84,8 @@ impl RequestSpec {
     /// Greedy, published to the cache, stopping at EOS.
     pub fn new(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
         RequestSpec { prompt, max_new_tokens, sampling: SF_SAMPLING_GPU_GREEDY, params: crate::plan::params(0.0),
-                      rng_base: 0, publish: true, stop_at_eos: true, host_sampler: None, grammar: None }
+                      rng_base: 0, publish: true, stop_at_eos: true, host_sampler: None, grammar: None,
+                      speculate: true }
     }
 }
 
@@ -86,6 +96,8 @@ pub struct Request {
     pub generated: Vec<u32>,
     pub finish: Option<Finish>,
     pub admissions: u32, // > 1: re-admitted after a restart, a fault or a preemption
+    /// Admitted with the planner's strategy: spec.speculate and the planner has one.
+    pub speculate: bool,
     pub(crate) seed: Option<Seed>,
     pub(crate) no_seed: bool, // its lease went stale: admit it without one this time
 }
@@ -113,6 +125,10 @@ pub struct Stats {
     pub restarts: u64,
     pub seeded_tokens: u64,
     pub leases: u64,
+    /// Draft tokens the worker verified (LaneEmit.spec.proposed, summed).
+    pub draft_proposed: u64,
+    /// Of them, the tokens taken (LaneEmit.spec.accepted).
+    pub draft_accepted: u64,
 }
 
 /// How the planner batches (client/planner.py's arguments).
@@ -127,13 +143,16 @@ pub struct Options {
     pub tick_timeout: Duration,
     pub reconnect_timeout: Duration,
     pub use_leases: bool,
+    /// A speculation strategy installed on the worker and named by every
+    /// request's admission unless it opts out (RequestSpec::speculate).
+    pub strategy: Option<Strategy>,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Options { prefill_token_budget: 512, prefill_chunk: None, decode_grant: 4, max_lanes: None,
                   max_admits_per_tick: None, tick_timeout: Duration::from_secs(30),
-                  reconnect_timeout: Duration::from_secs(60), use_leases: true }
+                  reconnect_timeout: Duration::from_secs(60), use_leases: true, strategy: None }
     }
 }
 
@@ -162,6 +181,7 @@ pub struct Planner {
     pub(crate) retire_next: BTreeSet<u64>, // faulted, preempted or orphaned tags
     pub(crate) seeds: SeedBook,
     pub grammars: GrammarBook,
+    pub strategies: StrategyBook,
     max_lanes: usize,
     evict: bool,
     pub(crate) admit_cap: Option<usize>,
@@ -177,9 +197,11 @@ impl Planner {
         // 0 lanes would never admit: as Python's, 0 means "as many as the runtime batches".
         let max_lanes = opts.max_lanes.filter(|&n| n > 0).unwrap_or(max_batch).min(max_batch);
         let seeds = SeedBook::new(desc.runtime.page, desc.runtime.exact_only);
+        let mut strategies = StrategyBook::new(opts.strategy.clone());
+        strategies.slot(&mut conn, opts.tick_timeout)?; // a strategy the worker refuses fails here, not mid-run
         Ok(Planner { conn, opts, eos: desc.eos, requests: Vec::new(), stats: Stats::default(),
                      waiting: VecDeque::new(), lanes: Vec::new(), retire_next: BTreeSet::new(), seeds,
-                     grammars: GrammarBook::default(), max_lanes,
+                     grammars: GrammarBook::default(), strategies, max_lanes,
                      evict: false, admit_cap: None })
     }
 
@@ -211,8 +233,9 @@ impl Planner {
         if let Some(g) = &spec.grammar {
             self.grammars.handle(&mut self.conn, id - 1, g, self.opts.tick_timeout)?;
         }
-        self.requests.push(Request { id, spec, generated: Vec::new(), finish: None, admissions: 0, seed: None,
-                                     no_seed: false });
+        let speculate = spec.speculate && self.strategies.strategy.is_some();
+        self.requests.push(Request { id, spec, generated: Vec::new(), finish: None, admissions: 0, speculate,
+                                     seed: None, no_seed: false });
         self.waiting.push_back(id - 1);
         Ok(id)
     }
@@ -372,6 +395,8 @@ impl Planner {
             Some(g) => self.grammars.handle(&mut self.conn, id, g, self.opts.tick_timeout)?,
             None => 0,
         };
+        let speculate = self.requests[id].speculate;
+        let slot = if speculate { self.strategies.slot(&mut self.conn, self.opts.tick_timeout)? } else { 0 };
         let req = &self.requests[id];
         let value = req.seed.map_or(0, |s| s.value as usize);
         let r = self.conn.write_prompt(&tokens)?;
@@ -381,7 +406,8 @@ impl Planner {
             .replay(sampled as u32)
             .seed(req.seed.map_or(0, |s| s.handle))
             .determinism(SF_CLASS_SEED_PATH_INVARIANT)
-            .grammar(grammar, if grammar != 0 { sampled as u32 } else { 0 });
+            .grammar(grammar, if grammar != 0 { sampled as u32 } else { 0 })
+            .strategy(slot);
         d.plan.admit_with(&a);
         // A seed covers `value` tokens: prefill starts there, and so does decode's replay.
         let end = req.spec.prompt.len().max(value);
@@ -394,24 +420,34 @@ impl Planner {
     }
 
     /// Lanes whose prefill completes this tick decode: GPU lanes their
-    /// replay plus up to decode_grant new tokens, HOST lanes one.
+    /// replay plus up to decode_grant new tokens, HOST lanes one. A lane
+    /// with the strategy may run past the grant on verified drafts
+    /// (overshoot) up to what its request has left.
     fn plan_decodes(&self, d: &mut Draft) {
         let mut grants = Vec::new();
+        let max_draft = self.strategies.strategy.as_ref().map_or(0, |s| s.max_draft as usize);
         for lane in self.lanes.iter().chain(d.admits.iter()) {
             if lane.retiring || *d.reached.get(&lane.tag).unwrap_or(&lane.prefilled) != lane.prefill_end {
                 continue;
             }
             let req = &self.requests[lane.req];
+            let mut over = 0;
             let grant = if req.spec.sampling == SF_SAMPLING_HOST {
-                1
+                1 // the executor's rule: the planner picks each token
             } else {
-                let new = (self.opts.decode_grant as usize).min(req.spec.max_new_tokens - req.generated.len());
+                // A re-admitted lane catches up in one tick: its replay, then the usual grant.
+                let left = req.spec.max_new_tokens - req.generated.len();
+                let new = (self.opts.decode_grant as usize).min(left);
+                if req.speculate {
+                    // Room for every round's draft to be taken whole.
+                    over = (left - new).min(self.opts.decode_grant as usize * max_draft).min(u16::MAX as usize);
+                }
                 (lane.replay_left + new).min(u16::MAX as usize)
             };
-            grants.push((lane.tag, grant));
+            grants.push((lane.tag, grant, over));
         }
-        for (tag, g) in grants {
-            d.plan.decode(tag, g as u16);
+        for (tag, g, over) in grants {
+            d.plan.decode_overshoot(tag, g as u16, over as u16);
             d.decodes.push((tag, g));
         }
     }
@@ -451,6 +487,7 @@ impl Planner {
         self.admit_cap = None;
         self.seeds.forget();
         self.grammars.forget(); // nor grammars: each is registered again at its next admission
+        self.strategies.forget(); // nor the strategy: installed again at the next admission
         for r in &mut self.requests {
             r.seed = None;
             r.no_seed = false;

@@ -6,6 +6,7 @@ use crate::connection::Connection;
 use crate::events::Error;
 use crate::grammars::Grammar;
 use crate::planner::{HostSampler, Options, Planner, RequestSpec};
+use crate::strategies::Strategy;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -31,6 +32,9 @@ pub struct WorkloadOptions {
     pub decode_grant: Option<u64>,
     pub max_lanes: Option<usize>,
     pub use_leases: Option<bool>,
+    /// null or {max_draft, ngram_min, ngram_max} (each optional); read by `strategy`.
+    #[serde(default)]
+    pub strategy: Option<Value>,
 }
 
 #[derive(Deserialize, Default)]
@@ -60,6 +64,8 @@ pub struct WorkloadRequest {
     /// {"kind": "choice", "choices": [...]}; read by `specs` (not with host).
     #[serde(default)]
     pub grammar: Option<Value>,
+    /// With the options' strategy (default true).
+    pub speculate: Option<bool>,
 }
 
 fn splitmix64(x: u64) -> u64 {
@@ -116,6 +122,36 @@ fn grammar(g: &Value, where_: &str) -> Result<Grammar, Error> {
     }
 }
 
+const STRATEGY_FIELDS: [&str; 3] = ["max_draft", "ngram_min", "ngram_max"];
+
+/// options.strategy as client/workload.py reads it: an object of some of
+/// max_draft, ngram_min, ngram_max (the rest Strategy's defaults), integers
+/// (Python's int(): a float is truncated, a bool is 0 or 1, "8" is 8).
+fn strategy(v: &Value) -> Result<Strategy, Error> {
+    let bad = || Error::Bounds(format!("options.strategy: an object of {}", STRATEGY_FIELDS.join(", ")));
+    let o = v.as_object().ok_or_else(bad)?;
+    if o.keys().any(|k| !STRATEGY_FIELDS.contains(&k.as_str())) {
+        return Err(bad());
+    }
+    let mut s = Strategy::default();
+    for (k, v) in o {
+        let n = match v {
+            Value::Bool(b) => Some(*b as i64),
+            Value::Number(n) => n.as_i64().or_else(|| n.as_f64().filter(|f| f.is_finite()).map(|f| f.trunc() as i64)),
+            Value::String(t) => t.trim().parse().ok(),
+            _ => None,
+        };
+        let n = n.and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| Error::Bounds(format!("options.strategy.{k}: an integer >= 0")))?;
+        match k.as_str() {
+            "max_draft" => s.max_draft = n,
+            "ngram_min" => s.ngram_min = n,
+            _ => s.ngram_max = n,
+        }
+    }
+    Ok(s)
+}
+
 fn sampler(name: &str, at: usize) -> Result<HostSampler, Error> {
     match name {
         "argmax" => Ok(Box::new(host_argmax)),
@@ -126,7 +162,17 @@ fn sampler(name: &str, at: usize) -> Result<HostSampler, Error> {
 
 impl Workload {
     pub fn parse(text: &str) -> Result<Workload, Error> {
-        serde_json::from_str(text).map_err(|e| Error::Bounds(format!("workload: {e}")))
+        let w: Workload = serde_json::from_str(text).map_err(|e| Error::Bounds(format!("workload: {e}")))?;
+        w.strategy()?;
+        Ok(w)
+    }
+
+    /// options.strategy (None: null or left out); a bad one names its field.
+    pub fn strategy(&self) -> Result<Option<Strategy>, Error> {
+        match self.options.as_ref().and_then(|o| o.strategy.as_ref()).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => strategy(v).map(Some),
+        }
     }
 
     pub fn options(&self) -> Options {
@@ -138,6 +184,7 @@ impl Workload {
             decode_grant: o.and_then(|o| o.decode_grant).map_or(d.decode_grant, |g| g.min(u16::MAX as u64) as u16),
             max_lanes: o.and_then(|o| o.max_lanes),
             use_leases: o.and_then(|o| o.use_leases).unwrap_or(d.use_leases),
+            strategy: self.strategy().unwrap_or(None), // checked by parse
             ..d
         }
     }
@@ -172,6 +219,7 @@ impl Workload {
             };
             s.stop_at_eos = r.stop_at_eos.unwrap_or(true);
             s.publish = r.publish.unwrap_or(true);
+            s.speculate = r.speculate.unwrap_or(true);
             if let Some(g) = r.grammar.as_ref().filter(|g| !g.is_null()) {
                 s.grammar = Some(grammar(g, &format!("requests[{n}]"))?);
                 if s.sampling == SF_SAMPLING_HOST {
@@ -222,7 +270,8 @@ pub fn run(conn: Connection, w: &Workload, timeout: Duration) -> Result<Value, E
     let s = &p.stats;
     let tokens: usize = p.requests.iter().map(|r| r.generated.len()).sum();
     Ok(json!({"results": results, "stats": {"ticks": s.ticks, "restarts": s.restarts,
-              "seeded_tokens": s.seeded_tokens, "leases": s.leases, "tokens": tokens, "killed": killed}}))
+              "seeded_tokens": s.seeded_tokens, "leases": s.leases, "tokens": tokens, "killed": killed,
+              "draft_proposed": s.draft_proposed, "draft_accepted": s.draft_accepted}}))
 }
 
 #[cfg(test)]
@@ -233,6 +282,29 @@ mod tests {
         let w = format!(r#"{{"requests": [{{"prompt": [1], "max_new_tokens": 3, "sampling": "{sampling}",
                             "grammar": {grammar}}}]}}"#);
         Workload::parse(&w)?.specs()
+    }
+
+    #[test]
+    fn options_strategy_and_speculate_are_read_and_a_bad_strategy_names_its_field() {
+        let w = Workload::parse(r#"{"options": {"strategy": {"max_draft": 6, "ngram_max": 3.7}},
+                                    "requests": [{"prompt": [1], "max_new_tokens": 3},
+                                                 {"prompt": [1], "max_new_tokens": 3, "speculate": false}]}"#)
+            .unwrap();
+        assert_eq!(w.options().strategy, Some(Strategy::prompt_lookup(6, 1, 3)));
+        let specs = w.specs().unwrap();
+        assert_eq!((specs[0].speculate, specs[1].speculate), (true, false));
+        for opts in [r#"{}"#, r#"{"strategy": null}"#] {
+            let w = Workload::parse(&format!(r#"{{"options": {opts}, "requests": []}}"#)).unwrap();
+            assert_eq!(w.options().strategy, None);
+        }
+        let w = Workload::parse(r#"{"options": {"strategy": {}}, "requests": []}"#).unwrap();
+        assert_eq!(w.options().strategy, Some(Strategy::default()));
+        for bad in [r#"{"depth": 3}"#, r#"3"#, r#"{"max_draft": "eight"}"#, r#"{"max_draft": -1}"#] {
+            match Workload::parse(&format!(r#"{{"options": {{"strategy": {bad}}}, "requests": []}}"#)) {
+                Err(Error::Bounds(m)) => assert!(m.starts_with("options.strategy"), "{bad}: {m}"),
+                other => panic!("{bad}: {:?}", other.map(|w| w.options().strategy)),
+            }
+        }
     }
 
     #[test]
