@@ -294,7 +294,7 @@ class Executor:
                 ln.prefilled, ln.committed, ln.pending_input, ln.pending_row, ln.finished, ln.logprobs_top,
                 ln.granted_class, ln.session, self.runtime.seq_len(ln.seq), ln.grammar_handle,
                 None if ln.grammar is None else ln.grammar.tokens,
-                None if ln.spec is None else (ln.spec.strategy.cert_id, ln.spec.depth))
+                None if ln.spec is None else (ln.spec.strategy.cert_id, ln.spec.depth, ln.spec.misses, ln.spec.pause))
         for e in sorted(self.cache.all(), key=lambda e: e.eid):
             put(e.eid, e.seq, e.tokens, e.prompt_len, e.bytes, e.last_used, e.pins, e.seeded, e.checkpoint, e.bare,
                 None if e.blob is None else hashlib.sha256(e.blob).hexdigest(),

@@ -111,17 +111,25 @@ def _copy_on(tokens: Sequence[int], src: int, k: int) -> list[int]:
     return out
 
 
+MAX_PAUSE = 32  # rounds a lane whose drafts keep missing goes without one, at most
+
+
 class LaneSpec:
     """A drafting lane's state: its strategy, the n-gram index of its
     history, and how deep it drafts now (depth follows acceptance: a draft
     taken whole doubles it up to max_draft; one cut short sets it to what
-    was taken plus one, so a lane whose drafts miss drafts one token)."""
+    was taken plus one, so a lane whose drafts miss drafts one token). A
+    draft of which nothing was taken pauses the lane's drafting for 2, 4,
+    8 ... rounds (up to MAX_PAUSE) while they keep missing: a verification
+    that takes nothing costs a feed's rows for no token."""
 
-    __slots__ = ("strategy", "depth", "_index", "_seen")
+    __slots__ = ("strategy", "depth", "misses", "pause", "_index", "_seen")
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy
         self.depth = strategy.max_draft
+        self.misses = 0  # drafts in a row of which nothing was taken
+        self.pause = 0  # rounds left without a draft
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest occurrence with a follower
         self._seen = 0  # history length the index covers
 
@@ -142,6 +150,9 @@ class LaneSpec:
         """Up to k draft tokens after `tokens` (the lane's committed tokens)."""
         if k <= 0:
             return []
+        if self.pause:
+            self.pause -= 1
+            return []
         self._catch_up(tokens)
         n_tok = len(tokens)
         st = self.strategy
@@ -156,3 +167,5 @@ class LaneSpec:
         st.proposed += proposed
         st.accepted += accepted
         self.depth = min(st.max_draft, 2 * self.depth if accepted == proposed else accepted + 1)
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        self.pause = min(MAX_PAUSE, 1 << self.misses) if self.misses else 0

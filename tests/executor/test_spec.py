@@ -480,3 +480,20 @@ def test_length_and_eos_finish_a_drafting_lane_where_they_finish_a_plain_one():
         assert outs[0] == outs[1]
         assert outs[0][1] == int(Finish.LENGTH if "eos_ids" not in kw else Finish.EOS)
 
+
+
+def test_a_lane_whose_drafts_keep_missing_pauses_drafting_longer_each_time():
+    st = spec.StrategyTable().install(1, "prompt_lookup", 4, 1, 2)
+    ls = spec.LaneSpec(st)
+    history = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert ls.propose(history, 4) == [3, 1, 2, 3]
+    for misses, pause in ((1, 2), (2, 4), (3, 8)):
+        ls.verified(1, 0)  # nothing taken
+        assert (ls.misses, ls.pause, ls.depth) == (misses, pause, 1)
+        assert [ls.propose(history, 4) for _ in range(pause)] == [[]] * pause
+        assert ls.propose(history, ls.depth) == [3]  # drafting again, one token deep (decode caps k at depth)
+    ls.verified(1, 1)  # taken: no pause, and deeper again
+    assert (ls.misses, ls.pause, ls.depth) == (0, 0, 2) and ls.propose(history, ls.depth) == [3, 1]
+    for _ in range(10):
+        ls.verified(1, 0)
+    assert ls.pause == spec.MAX_PAUSE
