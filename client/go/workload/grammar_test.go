@@ -113,19 +113,7 @@ func TestGrammarTokensMatchPythonPlanner(t *testing.T) {
 	}
 
 	t.Run("kill_worker_after_tokens", func(t *testing.T) {
-		w := grammarWorkload()
-		w["kill_worker_after_tokens"] = 20
-		killed := goRun(t, d, w, false)
-		if !killed.Stats.Killed || killed.Stats.Restarts < 1 {
-			t.Fatalf("the kill did not restart the worker: %+v", killed.Stats)
-		}
-		readmitted := false
-		for _, r := range killed.Results {
-			readmitted = readmitted || r.Admissions > 1
-		}
-		if !readmitted {
-			t.Fatalf("the kill cut no lane short: %s", killed.JSON())
-		}
+		killed := killedRun(t, d, grammarWorkload(), 20)
 		if !reflect.DeepEqual(tokens(killed), tokens(want)) || !reflect.DeepEqual(finishes(killed), finishes(want)) {
 			t.Fatalf("after a kill: go %s\npython %s", killed.JSON(), want.JSON())
 		}

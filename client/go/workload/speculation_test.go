@@ -63,19 +63,7 @@ func TestSpeculationTokensMatchPythonPlannerAndPlainOnes(t *testing.T) {
 	}
 
 	t.Run("kill_worker_after_tokens", func(t *testing.T) {
-		w := specWorkload(st)
-		w["kill_worker_after_tokens"] = 50
-		killed := goRun(t, d, w, false)
-		if !killed.Stats.Killed || killed.Stats.Restarts < 1 {
-			t.Fatalf("the kill did not restart the worker: %+v", killed.Stats)
-		}
-		readmitted := false
-		for _, r := range killed.Results {
-			readmitted = readmitted || r.Admissions > 1
-		}
-		if !readmitted {
-			t.Fatalf("the kill cut no lane short: %s", killed.JSON())
-		}
+		killed := killedRun(t, d, specWorkload(st), 50)
 		if !reflect.DeepEqual(tokens(killed), tokens(want)) {
 			t.Fatalf("after a kill: go %s\npython %s", killed.JSON(), want.JSON())
 		}
