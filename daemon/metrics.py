@@ -190,6 +190,16 @@ class WorkerMetrics:
         w[_KV_USED] = mem.pool_blocks_used
         w[_KV_TOTAL] = mem.pool_blocks_total
 
+    def tick_empty(self, wall_ns: int, mem: Any) -> None:
+        """As tick, for an OK tick of a plan with no lists and no op
+        completions (Worker._empty): only its count, its time and the pool."""
+        w = self._w
+        w[_TICKS] += 1
+        w[_BUCKET0 + bisect.bisect_left(_BOUNDS_NS, wall_ns)] += 1
+        w[_TICK_NS] += wall_ns
+        w[_KV_USED] = mem.pool_blocks_used
+        w[_KV_TOTAL] = mem.pool_blocks_total
+
     def ops(self, completions: Iterable[Any]) -> None:
         """Op completions (OpCompletion records) sent outside a tick (OpEvents)."""
         w = self._w

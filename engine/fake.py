@@ -587,12 +587,7 @@ class FakeRuntime(Runtime):
 
     def mem_counters(self) -> MemCounters:
         used = len(self._rc) * self._page
-        return MemCounters(
-            cells_total=self._blocks_total * self._page,
-            cells_used=used,
-            allocated_bytes=used * self._bytes_per_cell,
-            seqs=len(self._seqs),
-        )
+        return MemCounters(self._blocks_total * self._page, used, used * self._bytes_per_cell, len(self._seqs))
 
     def cells_released(self, seqs: Sequence[int]) -> int:
         holders: collections.Counter[int] = collections.Counter()

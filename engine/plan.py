@@ -10,6 +10,7 @@ check against state without re-validating the encoding.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 from superfluid.abi import (
@@ -22,6 +23,7 @@ from superfluid.abi import (
     Sampling,
     Status,
     codec,
+    ffi,
 )
 from superfluid.abi.records import TickEvents, TickPlan
 
@@ -128,6 +130,30 @@ def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
     return plan
 
 
+_PLAN = codec.CODECS["TickPlan"]
+_PLAN_KIND = codec.TOP_LEVEL["TickPlan"]
+_PLAN_SPANS = tuple(i for i, f in enumerate(codec.LAYOUTS["TickPlan"]) if f.kind == "span")
+assert _PLAN.flat is False and len(_PLAN_SPANS) == 5 and _PLAN_SPANS == tuple(range(8, 13)), _PLAN_SPANS
+assert TickPlan._fields[1:4] == ("plan_seq", "flags", "max_decode_lanes") and TickPlan._fields[5] == \
+    "evictable_cache_classes"
+
+
+def empty_plan(buf) -> tuple[int, int] | None:
+    """(plan_seq, max_decode_lanes) of a slot message that is a TickPlan with
+    no lists, no arena and nothing decode_plan would refuse: the executor's
+    tick_empty can run it with no decoding. None for anything else, which
+    decode_plan then reads (and refuses where it must)."""
+    if len(buf) < _PLAN.message.size:
+        return None
+    (kind, record_bytes, arena_bytes, _, size, seq, flags, max_lanes, _, classes, _, _,
+     a0, a1, p0, p1, d0, d1, c0, c1, r0, r1, _, _) = _PLAN.message.unpack_from(buf)
+    if (kind != _PLAN_KIND or record_bytes != _PLAN.size or size != _PLAN.size or arena_bytes
+            or a0 or a1 or p0 or p1 or d0 or d1 or c0 or c1 or r0 or r1 or seq > PLAN_SEQ_MAX
+            or flags & ~PLAN_FLAGS_ALL or classes & ~CACHE_CLASSES_ALL):
+        return None
+    return seq, max_lanes
+
+
 def plan_seq_of(buf) -> int:
     """The plan_seq of a slot message, for answering a plan that did not
     decode (0 when even that cannot be read)."""
@@ -149,6 +175,34 @@ def reject_events(plan_seq: int, reject: PlanReject, *, epoch: int = 0, **fields
 
 def encode_events_into(buf, events: TickEvents, session: int = 0) -> int:
     return codec.encode_into(buf, "TickEvents", events, session=session)
+
+
+def _bare_events() -> bytes:
+    """The slot message of an OK TickEvents with no lists, no op completions
+    and no message: what encode_bare_events_into starts from."""
+    buf = bytearray(codec.CODECS["TickEvents"].message.size)
+    codec.encode_into(buf, "TickEvents", TickEvents())
+    return bytes(buf)
+
+
+_BARE = _bare_events()
+_Q = struct.Struct("<Q")
+_MEM = struct.Struct("<6Q")
+_H = codec.MSG_HEADER_BYTES
+_BARE_SEQ, _BARE_WALL, _BARE_MEM, _BARE_EPOCH = (_H + ffi.offsetof("TickEvents", *f) for f in (
+    ("plan_seq",), ("timings", "wall_ns"), ("mem",), ("worker_epoch",)))
+assert ffi.sizeof("TickMemCounters") == _MEM.size  # (tests/abi: the bytes equal encode_events_into's)
+
+
+def encode_bare_events_into(buf, plan_seq: int, wall_ns: int, mem, epoch: int, session: int) -> None:
+    """What encode_events_into writes for an OK TickEvents with no lists, no
+    op completions and no message (an empty plan's), at a few stores' cost."""
+    buf[:len(_BARE)] = _BARE
+    codec.set_session(buf, session)
+    _Q.pack_into(buf, _BARE_SEQ, plan_seq)
+    _Q.pack_into(buf, _BARE_WALL, wall_ns)
+    _MEM.pack_into(buf, _BARE_MEM, *mem)
+    _Q.pack_into(buf, _BARE_EPOCH, epoch)
 
 
 def decode_events(buf) -> TickEvents:

@@ -165,8 +165,9 @@ def check_masks(masks: TokenMasks | None, n_feeds: int, vocab_size: int) -> Toke
     return TokenMasks(bits, rows) if rows else None
 
 
-@dataclasses.dataclass(frozen=True)
-class MemCounters:
+class MemCounters(NamedTuple):
+    """(A named tuple: the executor reads one every tick.)"""
+
     cells_total: int  # 0 = no cell limit
     cells_used: int
     allocated_bytes: int

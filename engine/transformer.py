@@ -291,9 +291,8 @@ class TransformerRuntime(Runtime):
     def mem_counters(self) -> MemCounters:
         p = self.pool
         mirrors = self._mirrors.bytes if self._mirrors else 0
-        return MemCounters(cells_total=(p.n_blocks - 1) * p.page, cells_used=p.n_used * p.page,
-                           allocated_bytes=p.allocated_bytes + self.model.weight_bytes + mirrors,
-                           seqs=len(self.seqs))
+        return MemCounters((p.n_blocks - 1) * p.page, p.n_used * p.page,
+                           p.allocated_bytes + self.model.weight_bytes + mirrors, len(self.seqs))
 
     def cell_bytes(self) -> int:
         return self.pool.bytes_per_block // self.pool.page

@@ -317,12 +317,10 @@ def _events_fit(ex, plan: TickPlan) -> None:
     if ex.event_capacity is None:
         return
     admits, prefills, decodes = plan.admits, plan.prefills, plan.decodes
-    size = _EVENTS_BASE + len(admits) * _ADMIT_RESULT + len(decodes) * _EMIT
+    size = _empty_events_bound(ex) + len(admits) * _ADMIT_RESULT + len(decodes) * _EMIT
     size += (len(decodes) + len(prefills) + len(admits)) * _FAULT
-    # Shed entries: chunks, evictions (every entry at most once, each retire's
-    # would-be entry), takeovers and lost imports (one per admit).
-    sheds = 2 * len(prefills) + 2 * len(plan.retires) + len(ex.cache.entries) + len(ex.pending_shed) + 2 * len(admits)
-    size += sheds * _SHED
+    # Shed entries: chunks, each retire's would-be entry, takeovers and lost imports (one per admit).
+    size += (2 * len(prefills) + 2 * len(plan.retires) + 2 * len(admits)) * _SHED
     if decodes:
         wants = {a.lane_tag for a in admits if a.want_logprobs}
         wants |= {t for t, ln in ex.lanes.items() if ln.logprobs_top is not None}
@@ -330,3 +328,13 @@ def _events_fit(ex, plan: TickPlan) -> None:
     if size > ex.event_capacity:
         raise reject(Status.RejectBudget, "TickPlan.decodes",
                      f"its events could take {size} bytes, the event slot holds {ex.event_capacity}")
+
+
+def _empty_events_bound(ex) -> int:
+    # Every cache entry's eviction at most once, and the evictions ops made.
+    return _EVENTS_BASE + (len(ex.cache.entries) + len(ex.pending_shed)) * _SHED
+
+
+def empty_events_fit(ex) -> bool:
+    """Whether a plan with no lists passes _events_fit."""
+    return ex.event_capacity is None or _empty_events_bound(ex) <= ex.event_capacity

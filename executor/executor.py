@@ -17,12 +17,12 @@ import sys
 import time
 from typing import Any, Callable
 
-from superfluid.abi import ShedReason, Status
-from superfluid.abi.records import TickEvents, TickMemCounters, TickPlan, TickTimings
+from superfluid.abi import ShedReason, Status, TickStatus
+from superfluid.abi.records import ShedReport, TickEvents, TickMemCounters, TickPlan, TickTimings
 from superfluid.engine.plan import PlanReject, check_plan, decode_plan, plan_seq_of
-from superfluid.engine.runtime import FatalError, Runtime, RuntimeFailure, Unsupported
+from superfluid.engine.runtime import FatalError, MemCounters, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
-from superfluid.executor.check import Verdict, check
+from superfluid.executor.check import Verdict, check, empty_events_fit
 from superfluid.executor.grammar import GrammarRegistry
 from superfluid.executor.lanes import FaultedLanes, Lane
 from superfluid.executor.rings import LocalRings, TickRings
@@ -32,6 +32,9 @@ from superfluid.executor.spec_gate import SpecGate
 from superfluid.executor.tick import Tick
 
 EXIT_FATAL = 70
+_OK, _TICK_OK = int(Status.OK), int(TickStatus.OK)
+_NO_SHED = ShedReport(0, 0, 0, ())
+_tn = tuple.__new__
 _MEM_FIELDS = ("allocated_bytes", "host_retained_bytes", "pool_blocks_total", "pool_blocks_used",
                "pool_bytes_evictable", "tentative_bytes")
 assert TickMemCounters._fields == _MEM_FIELDS, TickMemCounters._fields
@@ -200,6 +203,10 @@ class Executor:
                     check_plan(plan)  # the record-level checks decode_plan runs on bytes
             else:
                 plan = decode_plan(plan)
+            if not (plan.admits or plan.prefills or plan.decodes or plan.commits or plan.retires):
+                events = self._tick_empty(plan, t0)
+                if events is not None:
+                    return TickResult(Status.OK, events)
             verdict = self.check(plan)
         except PlanReject as r:
             self.rejects += 1
@@ -242,6 +249,35 @@ class Executor:
         t_end = clock()
         return t.events(TickTimings(t_end - t0, prefill_ns, t_end - t_decode, 0, 0))
 
+    def tick_empty(self, plan_seq: int, max_decode_lanes: int) -> TickMemCounters | None:
+        """Run a plan with no lists (a planner keeping time, waiting on host
+        rows, or carrying ops): the rules and upkeep it meets, without a
+        Verdict or a Tick, to the state check and apply would leave; the
+        events' memory record. None, having changed nothing, where the plan
+        would meet more (a rule it breaks, evictions to report, a cache over
+        its limit, more sequences than slots): the general path takes it."""
+        last, limit = self.last_plan_seq, self.cache_max_bytes
+        if (self.dead or (last is not None and plan_seq <= last) or max_decode_lanes > self.desc.max_batch or self.pending_shed
+                or (limit is not None and self.cache.resident_bytes > limit) or not empty_events_fit(self)):
+            return None
+        mem = self.runtime.mem_counters()
+        if self.desc.max_seqs and mem.seqs > self.desc.max_seqs:
+            return None
+        self.sweep_leases()
+        self.last_plan_seq = plan_seq
+        self.tick_count += 1
+        return self._mem_record(mem)
+
+    def _tick_empty(self, plan: TickPlan, t0: int) -> TickEvents | None:
+        mem = self.tick_empty(plan.plan_seq, plan.max_decode_lanes)
+        if mem is None:
+            return None
+        comps = self.completions
+        if comps:
+            self.completions = []
+        return TickEvents(0, plan.plan_seq, _OK, _TICK_OK, (), (), (), _NO_SHED, tuple(comps), (), b"",
+                          TickTimings(self.clock() - t0, 0, 0, 0, 0), mem, self.epoch)
+
     def _refused(self, plan_seq: int, status: Status, field: str, message: str) -> TickResult:
         detail = f"{field}: {message}"
         ev = TickEvents(plan_seq=plan_seq, status=int(status), message=detail.encode(), worker_epoch=self.epoch,
@@ -266,13 +302,14 @@ class Executor:
 
     # ------------------------------------------------------------- state
 
-    def _mem_record(self) -> TickMemCounters:
-        mem = self.runtime.mem_counters()
-        page, cache = self.page, self.cache
-        # Positional (every tick; _MEM_FIELDS pins the order): allocated, host retained,
-        # pool blocks total and used, evictable (unpinned resident) bytes, tentative.
-        return TickMemCounters(mem.allocated_bytes, cache.host_bytes, mem.cells_total // page, mem.cells_used // page,
-                               cache.unpinned_bytes if len(cache) else 0, 0)
+    def _mem_record(self, mem: MemCounters | None = None) -> TickMemCounters:
+        if mem is None:
+            mem = self.runtime.mem_counters()
+        page, cache = max(1, self.desc.page), self.cache
+        # Every tick, so straight from C (_MEM_FIELDS pins the order): allocated, host
+        # retained, pool blocks total and used, evictable (unpinned resident) bytes, tentative.
+        return _tn(TickMemCounters, (mem.allocated_bytes, cache.host_bytes, mem.cells_total // page,
+                                     mem.cells_used // page, cache.unpinned_bytes if len(cache) else 0, 0))
 
     def state_digest(self) -> str:
         """A hash of everything a tick can change (lanes, cache, leases,
