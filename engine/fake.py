@@ -18,7 +18,14 @@ still holds (left by a truncate) first copies it (copy-on-write, one block).
   n is OutOfBounds (desc.truncate_partial is False);
 - seq_copy(src, dst, n) only of n == len(src) (or n == 0, an empty dst);
   any other n is OutOfBounds;
-- export/import move whole sequences, as everywhere.
+- export/import move whole sequences, as everywhere;
+- a decode feed (Feed.decode, one token) takes "the one-token update": its
+  position hashes differently from a prefill's, and so do the rows after it,
+  until a prefill feed recomputes the sequence's decoded positions as prefill
+  would have (as a recurrent runtime redoes them from its last chunk
+  boundary). Rows thus tell which way each position was fed, so a test sees
+  an executor that feeds a position one way on a first run and another on a
+  replay or after a seed.
 The executor lives with this: it keys cache entries by their exact length,
 checkpoints a prompt one token short of its end, copies whole entries, takes
 an entry over only when it ends where the seed does, and resets a failed
@@ -69,11 +76,13 @@ from superfluid.engine.runtime import (
 
 _M64 = (1 << 64) - 1
 _BASE = 0x9E3779B97F4A7C15 | 1  # odd, so the chain is a bijection per token
+_DECODED = 0xD1B54A32D192ED03  # an exact_only decode feed's position: mixed in (see the docstring)
 
-# Export blob: magic, version, flags (0), model fingerprint, tokens, crc32 of the tokens.
+# Export blob: magic, version, flags (0), model fingerprint, tokens, crc32 of the body:
+# the tokens, then (u32) how many trailing ones decode fed (exact_only).
 _BLOB = struct.Struct("<4sHHQII")
 _MAGIC = b"SFFK"
-_VERSION = 1
+_VERSION = 2
 
 FaultSite = Literal["step", "copy", "truncate", "import", "export", "create", "free", "any"]
 _SITES = frozenset(("step", "copy", "truncate", "import", "export", "create", "free", "any"))
@@ -137,6 +146,7 @@ class _Seq:
     tokens: list[int]
     chain: list[int]  # the history hash after each token
     blocks: list[int]  # pool blocks holding the cells: ceil(len / page)
+    decoded: int = 0  # exact_only: trailing tokens fed by decode feeds since the last prefill
 
 
 class FakeRuntime(Runtime):
@@ -370,6 +380,12 @@ class FakeRuntime(Runtime):
         self._truncate_blocks(s, n)
         self.stats.truncates += 1
 
+    def seq_settle(self, seq: int) -> None:
+        self._alive()
+        s = self._get(seq)
+        if s.decoded:
+            self._rechain(s, len(s.tokens) - s.decoded)
+
     def seq_copy(self, src: int, dst: int, n: int) -> None:
         self._alive()
         s, d = self._get(src), self._get(dst)
@@ -397,11 +413,13 @@ class FakeRuntime(Runtime):
         blocks += [self._alloc() for _ in range(fresh)]
         self._release(d.blocks)
         d.tokens, d.chain, d.blocks = s.tokens[:n], s.chain[:n], blocks
+        d.decoded = max(0, n - (size - s.decoded))
         self.stats.copies += 1
 
     def _truncate_blocks(self, s: _Seq, n: int) -> None:
         keep = self._blocks_for(n)
         self._release(s.blocks[keep:])
+        s.decoded = max(0, n - (len(s.tokens) - s.decoded))
         del s.blocks[keep:], s.tokens[n:], s.chain[n:]
 
     # ------------------------------------------------------------ steps
@@ -444,15 +462,22 @@ class FakeRuntime(Runtime):
         n_tokens = sum(len(t) for _, t in resolved)
         self._spend(self._step_cost + self._token_cost * n_tokens)
         out: list[tuple[_Seq, int]] = []
-        for s, toks in resolved:
+        modes = self.desc.exact_only
+        for (s, toks), f in zip(resolved, feeds):
             start = len(s.tokens)
             if self._cow_needed(s):
                 self._release(s.blocks[-1:])
                 s.blocks[-1] = self._alloc()
+            decode = modes and f.decode and len(toks) == 1
+            if modes and not decode and s.decoded:
+                self._rechain(s, start - s.decoded)  # prefill redoes what decode fed
             h = s.chain[-1] if s.chain else self._salt
             for t in toks:
                 h = (h * _BASE + t + 1) & _M64
+                if decode:
+                    h ^= _DECODED
                 s.chain.append(h)
+            s.decoded = s.decoded + 1 if decode else 0
             s.tokens.extend(toks)
             while len(s.blocks) < self._blocks_for(len(s.tokens)):
                 s.blocks.append(self._alloc())
@@ -460,6 +485,19 @@ class FakeRuntime(Runtime):
         self.stats.steps += 1
         self.stats.tokens_fed += n_tokens
         return out
+
+    def _rechain(self, s: _Seq, start: int, decoded: int = 0) -> None:
+        """s.chain from position `start` on as prefill feeds would make it,
+        the last `decoded` positions as decode feeds would."""
+        del s.chain[start:]
+        h = s.chain[-1] if s.chain else self._salt
+        n = len(s.tokens)
+        for i in range(start, n):
+            h = (h * _BASE + s.tokens[i] + 1) & _M64
+            if i >= n - decoded:
+                h ^= _DECODED
+            s.chain.append(h)
+        s.decoded = decoded
 
     def _row(self, h: int, pos: int) -> np.ndarray:
         """The logits row of the cell whose history hash is h, at position pos.
@@ -538,12 +576,13 @@ class FakeRuntime(Runtime):
         self._alive()
         s = self._get(seq)
         self._injected("export")
-        body = np.asarray(s.tokens, dtype="<u4").tobytes()
+        body = np.asarray(s.tokens + [s.decoded], dtype="<u4").tobytes()
         self.stats.exports += 1
         return _BLOB.pack(_MAGIC, _VERSION, 0, self._fingerprint, len(s.tokens), zlib.crc32(body)) + body
 
-    def _parse(self, data: bytes) -> list[int]:
-        """The tokens of a blob this model exported; OutOfBounds on anything else."""
+    def _parse(self, data: bytes) -> tuple[list[int], int]:
+        """The tokens of a blob this model exported and how many trailing ones
+        decode fed; OutOfBounds on anything else."""
         data = bytes(data)
         if len(data) < _BLOB.size:
             raise OutOfBounds("blob shorter than its header")
@@ -553,29 +592,30 @@ class FakeRuntime(Runtime):
         if fingerprint != self._fingerprint:
             raise OutOfBounds("blob exported by another model")
         body = data[_BLOB.size:]
-        if len(body) != 4 * n or zlib.crc32(body) != crc:
+        if len(body) != 4 * (n + 1) or zlib.crc32(body) != crc:
             raise OutOfBounds("blob length or checksum does not match")
         if n > self.desc.max_seq_len:
             raise OutOfBounds(f"blob of {n} cells > max_seq_len")
         toks = np.frombuffer(body, dtype="<u4")
+        decoded = int(toks[-1])
+        toks = toks[:-1]
         if n and int(toks.max()) >= self.desc.vocab_size:
             raise OutOfBounds("blob holds a token outside the vocabulary")
-        return toks.tolist()
+        if decoded > n:
+            raise OutOfBounds(f"blob says {decoded} of its {n} tokens were decoded")
+        return toks.tolist(), decoded
 
     def seq_import(self, seq: int, data: bytes) -> int:
         self._alive()
         s = self._get(seq)
         if s.tokens:
             raise OutOfBounds(f"import into sequence {seq}, which holds {len(s.tokens)} cells")
-        toks = self._parse(data)
+        toks, decoded = self._parse(data)
         self._injected("import")
         if not self._fits(self._blocks_for(len(toks))):
             raise CapacityError(f"import of {len(toks)} cells")
-        h = self._salt
-        for t in toks:
-            h = (h * _BASE + t + 1) & _M64
-            s.chain.append(h)
         s.tokens = toks
+        self._rechain(s, 0, decoded)
         s.blocks = [self._alloc() for _ in range(self._blocks_for(len(toks)))]
         self.stats.imports += 1
         return len(toks)

@@ -109,11 +109,16 @@ class RuntimeDescription:
 @dataclasses.dataclass(frozen=True)
 class Feed:
     """Tokens to append to a sequence in one step; `wants_row`: return the
-    logits row of the last token."""
+    logits row of the last token. `decode`: one token of a decode round
+    (sampled, committed, replayed, or the prompt's held-back last one): a
+    recurrent runtime applies its one-token update, whose arithmetic differs
+    from its chunked prefill's, so the executor feeds every position the
+    same way on every path (first run, replay, seed); others ignore it."""
 
     seq: int
     tokens: Sequence[int]
     wants_row: bool = False
+    decode: bool = False
 
 
 class SampleSpec(NamedTuple):
@@ -201,6 +206,13 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def seq_truncate(self, seq: int, n: int) -> None:
         """Keep the first n cells (n <= len; OutOfBounds otherwise)."""
+
+    def seq_settle(self, seq: int) -> None:
+        """Make the sequence hold what a prefill of all its tokens would
+        leave (a recurrent runtime redoes the positions decode feeds fed, see
+        Feed.decode), so that whatever continues from it (a seeded lane, an
+        export) continues as from a fresh prefill. A no-op where feeds leave
+        the same state either way."""
 
     @abc.abstractmethod
     def seq_free(self, seq: int) -> None:

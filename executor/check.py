@@ -292,7 +292,7 @@ def _decodes(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int,
         # once (its own, a commit's, a whole-prompt seed's, or one an exact_only
         # prefill held back this tick).
         room = max(0, ex.desc.max_seq_len - committed)
-        pending = pending or (ex.exact_only and d.lane_tag in reached and end == prompt_len and prompt_len >= 2)
+        pending = pending or (ex.exact_only and d.lane_tag in reached)
         rounds[d.lane_tag] = (max(int(pending), min(d.max_new_tokens, room))) if d.max_new_tokens else 0
     return rounds
 

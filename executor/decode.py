@@ -96,6 +96,7 @@ class DecodePhase:
         """decode_replay: the prompt's tail, one token a round, as decode fed
         it the first time; not emitted, counted against the grant."""
         ex = self.ex
+        self._feed_held(replaying, remaining)
         yield_after = False
         while True:
             passes: list[tuple[int, int, bool]] = []
@@ -121,7 +122,7 @@ class DecodePhase:
             yield_after = True
             for i in range(0, len(passes), max(1, ex.desc.max_batch)):
                 chunk = passes[i:i + max(1, ex.desc.max_batch)]
-                feeds = [Feed(ex.lanes[tag].seq, [token], last) for tag, token, last in chunk]
+                feeds = [Feed(ex.lanes[tag].seq, [token], last, True) for tag, token, last in chunk]
                 got = self.step(feeds, [tag for tag, _, _ in chunk], "a decode replay")
                 if got is None:
                     for tag, _, _ in chunk:
@@ -134,6 +135,23 @@ class DecodePhase:
         for tag in replaying:
             if remaining.get(tag) == 0:
                 remaining.pop(tag)
+
+    def _feed_held(self, replaying: list[int], remaining: dict[int, int]) -> None:
+        """The token an exact_only prefill held back before a replay: decode
+        fed it the first time (the prompt's last), so decode feeds it now,
+        before the replayed ones; it is prompt, not grant."""
+        ex = self.ex
+        held = [tag for tag in replaying if remaining.get(tag, 0) > 0 and ex.lanes[tag].pending_input is not None]
+        step = max(1, ex.desc.max_batch)
+        for i in range(0, len(held), step):
+            chunk = held[i:i + step]
+            feeds = [Feed(ex.lanes[tag].seq, [ex.lanes[tag].pending_input], False, True) for tag in chunk]
+            if self.step(feeds, chunk, "a decode replay") is None:
+                for tag in chunk:
+                    remaining.pop(tag, None)
+                continue
+            for tag in chunk:
+                ex.lanes[tag].pending_input = None
 
     def _finish(self, lane: Lane, code: int, remaining: dict[int, int]) -> None:
         self.finishes[lane.tag] = int(code)
@@ -265,7 +283,7 @@ class DecodePhase:
         on the device where the runtime samples them all, else its rows."""
         ex, rt = self.ex, self.rt
         lanes = [ex.lanes[tag] for tag, _ in chunk]
-        feeds = [Feed(ln.seq, [tok], True) for ln, (_, tok) in zip(lanes, chunk)]
+        feeds = [Feed(ln.seq, [tok], True, True) for ln, (_, tok) in zip(lanes, chunk)]
         tags = [tag for tag, _ in chunk]
         specs = [self._engine_spec(ln) for ln in lanes]
         if all(s is not None for s in specs):

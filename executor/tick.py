@@ -93,10 +93,19 @@ class RetirePhase:
             # committed token. Out of cells, the step changed nothing: publish what is
             # held. A lane fault says the sequence itself is suspect: keep none of it.
             try:
-                self.rt.step([Feed(lane.seq, [lane.pending_input])])
+                self.rt.step([Feed(lane.seq, [lane.pending_input], decode=True)])
                 lane.pending_input = None
             except CapacityError:
                 pass
+            except FatalError as e:
+                raise ex.fatal("a publishing retire", e) from e
+            except RuntimeFailure:
+                return False
+        if ex.exact_only:
+            # The entry seeds lanes that may decode at once: it must hold what a
+            # fresh prefill of its tokens holds, not what decode feeds left.
+            try:
+                self.rt.seq_settle(lane.seq)
             except FatalError as e:
                 raise ex.fatal("a publishing retire", e) from e
             except RuntimeFailure:
@@ -300,11 +309,15 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
                 completes = nxt + take == len(lane.prompt)
                 feed = [lane.pending_input] if lane.pending_input is not None else []
                 lane.pending_input = None
-                checkpoint = completes and ex.exact_only and len(lane.prompt) >= 2
-                want = completes and tag in decoding and not checkpoint
-                if checkpoint:
+                # On an exact_only runtime the last token prefill reaches is always held
+                # back, so that decode feeds it (Feed.decode) on every path: a first run,
+                # a replay after a restart (whose prefill ends before the prompt does)
+                # and a seeded turn alike.
+                held = ex.exact_only and nxt + take == lane.prefill_end
+                if completes and ex.exact_only and len(lane.prompt) >= 2:
                     checkpoints.append(tag)
-                if completes and not want:
+                want = completes and tag in decoding and not ex.exact_only
+                if (completes and not want) or held:
                     feed.extend(chunk[:-1])
                     lane.pending_input = chunk[-1]
                 else:

@@ -245,16 +245,23 @@ def test_yield_cuts_prefill_between_steps_and_decode_after_one_round():
 
 def test_exact_only_runtime_checkpoints_a_long_prompt():
     """On a recurrent runtime a prompt of >= 128 tokens is kept one token
-    short of its end; the lane's tokens are those of a paged runtime."""
+    short of its end; the lane's tokens are those of the prompt fed in
+    pieces over several ticks. (The fake hashes a position decode fed apart
+    from one prefill fed, so a paged runtime's tokens differ: the control.)"""
     prompt = [(i * 7) % 60 for i in range(130)]
     ex = make_executor(fake(exact_only=True, max_seq_len=256))
     r = admit_and_prefill(ex, 1, 1, prompt, decode=5)
     (entry,) = list(ex.cache)
     assert entry.tokens == tuple(prompt[:129]) and ex.runtime.seq_len(entry.seq) == 129
     check_invariants(ex)
+    pieces = make_executor(fake(exact_only=True, max_seq_len=256), cache_max_bytes=0)
+    assert pieces.tick(PlanBuilder(1, prefill_token_budget=BIG_BUDGET).admit(1, put(pieces, prompt))
+                       .prefill(1, 0, 50).build()).ok
+    assert pieces.tick(PlanBuilder(2, prefill_token_budget=BIG_BUDGET).prefill(1, 50, 79).build()).ok
+    again = pieces.tick(PlanBuilder(3, prefill_token_budget=BIG_BUDGET).prefill(1, 129, 1).decode(1, 5).build())
+    assert emitted(ex, emit_of(r, 1)) == emitted(pieces, emit_of(again, 1))
     paged = make_executor(fake(max_seq_len=256))
-    again = admit_and_prefill(paged, 1, 1, prompt, decode=5)
-    assert emitted(ex, emit_of(r, 1)) == emitted(paged, emit_of(again, 1))
+    assert emitted(paged, emit_of(admit_and_prefill(paged, 1, 1, prompt, decode=5), 1)) != emitted(ex, emit_of(r, 1))
     # a short prompt is not checkpointed
     admit_and_prefill(ex, 2, 2, prompt[:100], decode=1)
     assert len(ex.cache) == 1
