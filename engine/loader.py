@@ -9,6 +9,7 @@ import torch
 
 from superfluid.engine.config import load_config
 from superfluid.engine.model import Model
+from superfluid.engine.runtime import Runtime
 from superfluid.engine.transformer import TransformerRuntime
 from superfluid.engine.weights import load_weights
 from superfluid.kernels.backend import get_backend
@@ -26,16 +27,29 @@ def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
     return text, {t["content"]: int(t["id"]) for t in added if t.get("special")}
 
 
+def _model_type(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_config names what is wrong
+
+
 def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None = None,
          dtype: torch.dtype | str | None = None, invariant: bool = True, max_seq_len: int | None = None,
-         **pool_options) -> TransformerRuntime:
-    """Load a Llama-family checkpoint (config.json + *.safetensors) into a
-    runtime. `dtype`: compute dtype (default float32 on CPU, the checkpoint's
-    on GPU); pool_options go to TransformerRuntime (kv_cells, page,
-    max_batch, max_seqs, prefill_step_tokens)."""
+         **pool_options) -> Runtime:
+    """Load a checkpoint (config.json + *.safetensors) into a runtime: a
+    Llama-family one into a TransformerRuntime, a Mamba2 one (model_type
+    "mamba2") into a Mamba2Runtime. `dtype`: compute dtype (default float32
+    on CPU, the checkpoint's on GPU); pool_options go to TransformerRuntime
+    (kv_cells, page, max_batch, max_seqs, prefill_step_tokens) or to
+    Mamba2Runtime (state_bytes, max_batch, max_seqs, prefill_step_tokens,
+    chunk_size)."""
     path = os.fspath(path)
-    cfg = load_config(path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if _model_type(path) == "mamba2":
+        return _load_mamba2(path, backend, dev, dtype, invariant, max_seq_len, pool_options)
+    cfg = load_config(path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is None:
@@ -49,3 +63,34 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
                   max_seq_len=min(max_seq_len or limit, limit))
     tokenizer_json, specials = _tokenizer(path)
     return TransformerRuntime(model, specials=specials, tokenizer_json=tokenizer_json, **pool_options)
+
+
+def _load_mamba2(path: str, backend: str, dev: torch.device, dtype, invariant: bool, max_seq_len: int | None,
+                 options: dict) -> Runtime:
+    from pathlib import Path
+
+    from superfluid.engine.mamba2 import Mamba2Config, _load_weights
+    from superfluid.engine.mamba2_runtime import Mamba2Runtime
+    from superfluid.engine.weights import WeightError
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype not in (None, torch.float32):
+        raise ValueError(f"the Mamba2 runtime computes in float32 only, not {dtype}")
+    if not invariant:
+        raise ValueError("the Mamba2 runtime has no non-invariant path")
+    # A paged runtime's pool options mean nothing to a state pool (sized by state_bytes).
+    options = {k: v for k, v in options.items() if k not in ("kv_cells", "page")}
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    cfg = Mamba2Config.from_dict(raw)
+    weights = _load_weights(Path(path), cfg)
+    eos = raw.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if any(not isinstance(e, int) or not 0 <= e < cfg.vocab_size for e in eos):
+        raise WeightError(f"{path}: eos_token_id {raw.get('eos_token_id')!r} is outside the vocabulary")
+    tokenizer_json, specials = _tokenizer(path)
+    if max_seq_len is not None:
+        options["max_seq_len"] = max_seq_len
+    return Mamba2Runtime(cfg, weights, backend=backend, device=dev, eos=eos, specials=specials,
+                         tokenizer_json=tokenizer_json, **options)

@@ -61,7 +61,25 @@ def _transformer(name: str, backend: str, examples: int, steps: int, **options) 
     return RuntimeFactory(name, make, max_examples=examples, state_steps=steps, paged_model=True)
 
 
+@functools.cache
+def _tiny_mamba2() -> str:
+    import tempfile
+
+    from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
+
+    return str(write_tiny_mamba2(tempfile.mkdtemp(prefix="sf-conf-m2-"), seed=3, vocab_size=96, hidden_size=32,
+                                 num_heads=4, state_size=8, num_layers=1, chunk_size=4))
+
+
+def _mamba2(name: str, backend: str, examples: int, steps: int, **options) -> RuntimeFactory:
+    from superfluid.engine.loader import load
+
+    return RuntimeFactory(name, lambda: load(_tiny_mamba2(), backend, **options), max_examples=examples,
+                          state_steps=steps)
+
+
 RUNTIME_FACTORIES: list[RuntimeFactory] = [
+    _mamba2("mamba2-torch", "torch", 12, 20, max_seqs=8, max_seq_len=64, max_batch=16),
     _transformer("transformer-torch", "torch", 12, 20, kv_cells=256, page=4, max_seqs=16),
     _transformer("transformer-triton", "triton", 2, 6, kv_cells=128, page=8, max_seqs=8),
     _fake("fake-shared", vocab_size=64, max_seq_len=64, page=4, max_seqs=16, copy_shares_cells=True),
