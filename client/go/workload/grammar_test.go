@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"os"
 	"reflect"
 	"regexp"
 	"testing"
@@ -71,9 +73,21 @@ func finishes(o *workload.Output) []string {
 	return out
 }
 
-func tinyDaemon(t *testing.T) *livetest.Daemon {
-	dir := livetest.TinyModelDir(t)
-	return livetest.Serve(t, "--model", dir, "--max-batch", "8", "--threads", "1", "--restart-backoff", "0.05")
+// tiny: the package's tests of the tiny model share one daemon (TestMain stops it).
+var tiny = &livetest.Shared{Args: func(t testing.TB) []string {
+	return []string{"--model", livetest.TinyModelDir(t), "--max-batch", "8", "--threads", "1",
+		"--restart-backoff", "0.05"}
+}}
+
+func tinyDaemon(t *testing.T) *livetest.Daemon { return tiny.Get(t) }
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if err := tiny.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		code = 1
+	}
+	os.Exit(code)
 }
 
 func TestGrammarTokensMatchPythonPlanner(t *testing.T) {

@@ -214,8 +214,7 @@ func TestFakeRuntimeTokensMatchPythonPlanner(t *testing.T) {
 }
 
 func TestTinyModelTokensMatchPythonPlanner(t *testing.T) {
-	dir := livetest.TinyModelDir(t)
-	d := livetest.Serve(t, "--model", dir, "--max-batch", "8", "--threads", "1", "--restart-backoff", "0.05")
+	d := tinyDaemon(t)
 	compareWithPython(t, d)
 }
 

@@ -63,52 +63,107 @@ func (l *logBuffer) String() string {
 
 // Serve starts a daemon with args (e.g. "--fake"); stopped at the test's end.
 func Serve(t testing.TB, args ...string) *Daemon {
+	d, err := start(Python(t), args)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Use(t)
+	t.Cleanup(func() { d.Stop(t) })
+	return d
+}
+
+// Shared is one daemon for many tests of a package, started by the first
+// that asks (Get) and stopped by the package's TestMain (Close): a tiny-model
+// daemon takes seconds to come up. Tests that share it run one after another
+// (go test's default inside a package) and must not depend on what an
+// earlier one left behind (they clear the prefix cache, as they do anyway).
+type Shared struct {
+	Args func(t testing.TB) []string // the daemon's arguments (asked once)
+	once sync.Once
+	d    *Daemon
+	err  error
+}
+
+// Get the shared daemon, its SUPERFLUID_SHM_DIR set for the test.
+func (s *Shared) Get(t testing.TB) *Daemon {
 	py := Python(t)
+	s.once.Do(func() { s.d, s.err = start(py, s.Args(t)) })
+	if s.err != nil {
+		t.Fatal(s.err)
+	}
+	if s.d.exited() {
+		t.Fatalf("the shared daemon %s has exited; log:\n%s", s.d.Name, s.d.log.String())
+	}
+	s.d.Use(t)
+	return s.d
+}
+
+// Close stops the shared daemon if one was started (from TestMain).
+func (s *Shared) Close() error {
+	if s.d == nil {
+		return nil
+	}
+	return s.d.stop()
+}
+
+func start(py string, args []string) (*Daemon, error) {
 	root := "/dev/shm"
 	if st, err := os.Stat(root); err != nil || !st.IsDir() {
 		root = ""
 	}
 	dir, err := os.MkdirTemp(root, "sf-go-")
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	if err := os.Chmod(dir, 0o700); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	// Connect and every child (python planners, the daemon) read it.
-	t.Setenv("SUPERFLUID_SHM_DIR", dir)
 	d := &Daemon{Name: fmt.Sprintf("go%d-%d", os.Getpid(), atomic.AddInt64(&serial, 1)), ShmDir: dir, Python: py}
 	d.cmd = exec.Command(py, append([]string{"-m", "superfluid", "serve", "--name", d.Name, "--log-level",
 		"WARNING"}, args...)...)
+	d.cmd.Env = append(os.Environ(), "SUPERFLUID_SHM_DIR="+dir)
 	d.cmd.Stdout, d.cmd.Stderr = &d.log, &d.log
 	if err := d.cmd.Start(); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	d.done = make(chan struct{})
 	go func() { _ = d.cmd.Wait(); close(d.done) }()
-	t.Cleanup(func() { d.Stop(t) })
-	return d
+	return d, nil
+}
+
+// Use sets the daemon's SUPERFLUID_SHM_DIR for the test: Connect and every
+// child it starts (python planners) read it.
+func (d *Daemon) Use(t testing.TB) {
+	t.Setenv("SUPERFLUID_SHM_DIR", d.ShmDir)
 }
 
 // Stop: SIGTERM (the daemon drains and removes its segments), then the dir.
 func (d *Daemon) Stop(t testing.TB) {
+	if err := d.stop(); err != nil {
+		t.Error(err)
+	}
+}
+
+func (d *Daemon) stop() error {
 	if d.cmd == nil {
-		return
+		return nil
 	}
 	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	var err error
 	select {
 	case <-d.done:
 	case <-time.After(30 * time.Second):
 		_ = d.cmd.Process.Kill()
 		<-d.done
-		t.Errorf("daemon %s did not stop on SIGTERM; log:\n%s", d.Name, d.log.String())
+		err = fmt.Errorf("daemon %s did not stop on SIGTERM; log:\n%s", d.Name, d.log.String())
 	}
 	d.cmd = nil
 	left, _ := os.ReadDir(d.ShmDir)
 	os.RemoveAll(d.ShmDir)
-	if len(left) > 0 {
-		t.Errorf("segments left behind in %s: %v", d.ShmDir, left)
+	if err == nil && len(left) > 0 {
+		err = fmt.Errorf("segments left behind in %s: %v", d.ShmDir, left)
 	}
+	return err
 }
 
 // Connect to worker 0, waiting for the daemon to make it (a cold start loads torch).
