@@ -1,7 +1,7 @@
 """`superfluid serve`: run the daemon in the foreground.
 
     superfluid serve [--model DIR | --fake] [--backend torch|triton] [--workers N] [--name NAME]
-        [--kv-cells N] [--page N] [--max-batch N] ... [--fault-injection]
+        [--kv-cells N] [--page N] [--state-bytes N] [--max-batch N] ... [--fault-injection]
         [--restart-backoff S] [--restart-backoff-max S] [--crash-loop N/WINDOW] [--stop-timeout S]
         [--metrics-port PORT]
 
@@ -21,7 +21,7 @@ import os
 import sys
 
 from superfluid.daemon.status import DEFAULT_NAME
-from superfluid.daemon.worker import add_runtime_args
+from superfluid.daemon.worker import add_runtime_args, model_vocab, runtime_options
 
 log = logging.getLogger("superfluid.daemon")
 
@@ -82,14 +82,6 @@ def runtime_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _vocab_of(model: str) -> int:
-    """The checkpoint's vocabulary, to size the logits ring. ValueError when
-    the config cannot be read or is not one we load."""
-    from superfluid.engine.config import load_config
-
-    return load_config(model).vocab_size
-
-
 def main(args: argparse.Namespace) -> int:
     from superfluid.daemon.supervisor import Daemon, segment_config_for
     from superfluid.rings.errors import SegmentError
@@ -111,7 +103,8 @@ def main(args: argparse.Namespace) -> int:
             return 2
         args.model = os.path.abspath(args.model)  # the workers get the very same checkpoint
         try:
-            vocab = _vocab_of(args.model)
+            vocab = model_vocab(args.model)
+            runtime_options(args, args.model)  # e.g. --dtype bf16 for a Mamba2 model
         except (OSError, ValueError) as e:
             # Every worker would fail the same way and crash-loop: say it once, up front.
             print(f"superfluid serve: --model {args.model}: {e}", file=sys.stderr)

@@ -1,8 +1,13 @@
 """A worker process: open its segment, load the runtime, serve plans.
 
     python -m superfluid.daemon.worker --segment PATH --epoch N [--model DIR | --fake]
-        [--backend torch|triton] [--fault-injection] [--kv-cells N] [--page N] [--max-batch N] ...
-        [--control-fd FD --segment-config JSON --metrics-fd FD]   (given by the daemon)
+        [--backend torch|triton] [--fault-injection] [--kv-cells N] [--page N] [--state-bytes N]
+        [--max-batch N] ... [--control-fd FD --segment-config JSON --metrics-fd FD]   (given by the daemon)
+
+A Llama-family checkpoint is served by the paged-KV transformer runtime
+(--kv-cells, --page, --dtype size it), a Mamba2 one (config.json model_type
+"mamba2") by the exact_only Mamba2 runtime (--state-bytes sizes its state
+pool; it computes in float32 only).
 
 The daemon starts one per segment and restarts it when it dies. It talks to
 the worker over --control-fd (stop), tells it the segment's geometry
@@ -15,6 +20,7 @@ arguments or a segment it cannot open, 3 the model would not load.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -37,12 +43,72 @@ def build_runtime(args: argparse.Namespace):
     from superfluid.engine.tiny import default_model_dir
 
     model = args.model or str(default_model_dir())
-    return load(model, args.backend, kv_cells=args.kv_cells or 16384, page=args.page, max_batch=args.max_batch,
-                max_seqs=args.max_seqs, prefill_step_tokens=args.prefill_step_tokens,
-                max_seq_len=args.max_seq_len or None, dtype=_DTYPES[getattr(args, "dtype", None) or "auto"])
+    return load(model, args.backend, **runtime_options(args, model))
 
 
-# auto: float32 on a CPU, the checkpoint's dtype on a GPU.
+MAMBA2 = "mamba2"
+
+
+def model_type(model: str) -> str | None:
+    """config.json's model_type (None where it cannot be read: the loader then says what is wrong)."""
+    try:
+        kind = _raw_config(model).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def model_vocab(model: str) -> int:
+    """The checkpoint's vocabulary (it sizes the logits ring). ValueError when
+    the config cannot be read or is not one we load."""
+    if model_type(model) == MAMBA2:
+        from superfluid.engine.mamba2 import Mamba2Config
+
+        return Mamba2Config.from_dict(_raw_config(model)).vocab_size
+    from superfluid.engine.config import load_config
+
+    return load_config(model).vocab_size
+
+
+def runtime_options(args: argparse.Namespace, model: str) -> dict:
+    """load()'s options for this checkpoint, from the runtime options.
+    ValueError, naming the option, for one its runtime cannot honour: the
+    daemon checks them before starting a worker that would crash-loop."""
+    common = dict(max_batch=args.max_batch, max_seqs=args.max_seqs, prefill_step_tokens=args.prefill_step_tokens,
+                  max_seq_len=args.max_seq_len or None)
+    dtype = getattr(args, "dtype", None) or "auto"
+    state_bytes = getattr(args, "state_bytes", 0)
+    if model_type(model) != MAMBA2:
+        if state_bytes:
+            raise ValueError("--state-bytes sizes a Mamba2 state pool; this model's KV pool is sized by --kv-cells")
+        return dict(common, kv_cells=args.kv_cells or 16384, page=args.page, dtype=_DTYPES[dtype])
+    if dtype not in ("auto", "fp32"):
+        raise ValueError(f"--dtype {dtype}: the Mamba2 runtime computes in float32 only "
+                         "(use --dtype fp32, or auto, which is fp32 for it)")
+    if args.kv_cells or args.page != _PAGE_DEFAULT:
+        raise ValueError("--kv-cells and --page size a paged KV pool; a Mamba2 model's state pool is sized "
+                         "by --state-bytes")
+    if state_bytes:
+        from superfluid.engine.mamba2 import Mamba2Config
+        from superfluid.engine.mamba2_state import StatePool
+
+        slot = StatePool.slot_bytes(Mamba2Config.from_dict(_raw_config(model)))
+        if state_bytes < slot:
+            raise ValueError(f"--state-bytes {state_bytes}: less than one sequence's state ({slot} bytes)")
+    # None: the runtime's default, one slot per --max-seqs sequence (64 when that is 0).
+    return dict(common, state_bytes=state_bytes or None)
+
+
+def _raw_config(model: str) -> dict:
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{model}/config.json: not a JSON object")
+    return raw
+
+
+_PAGE_DEFAULT = 16
+# auto: float32 on a CPU, the checkpoint's dtype on a GPU (a Mamba2 model: float32).
 _DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -72,17 +138,22 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fake-vocab", type=_at_least(2), default=512, help=argparse.SUPPRESS)
     p.add_argument("--fake-step-cost", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--kv-cells", type=_at_least(0), default=0,
-                   help="KV cells in the pool (default 16384; fake: unlimited)")
-    p.add_argument("--page", type=_at_least(1), default=16, help="cells per KV block (default 16)")
+                   help="KV cells in the pool (default 16384; fake: unlimited; not for a Mamba2 model)")
+    p.add_argument("--page", type=_at_least(1), default=_PAGE_DEFAULT, help="cells per KV block (default 16)")
+    p.add_argument("--state-bytes", type=_at_least(0), default=0,
+                   help="Mamba2 models: bytes of recurrent state in the pool, one fixed-size slot per sequence "
+                        "(default: --max-seqs slots, 64 when that is 0; a sequence of the embedded tiny Mamba2 "
+                        "holds 40448 bytes)")
     p.add_argument("--max-batch", type=_at_least(1), default=64, help="lanes per step (default 64)")
-    p.add_argument("--max-seqs", type=_at_least(0), default=0, help="sequences at once, 0 = unbounded")
+    p.add_argument("--max-seqs", type=_at_least(0), default=0,
+                   help="sequences at once, 0 = unbounded (a Mamba2 model: as many as --state-bytes holds)")
     p.add_argument("--max-seq-len", type=_at_least(0), default=0,
                    help="cap on cells per sequence (default: the model's)")
     p.add_argument("--prefill-step-tokens", type=_at_least(0), default=512,
                    help="tokens per prefill step (default 512)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
                    help="weights and KV: fp32, or bf16 (half the bytes; activations stay float32 on a CPU); "
-                        "default auto: fp32 on a CPU, the checkpoint's on a GPU")
+                        "default auto: fp32 on a CPU, the checkpoint's on a GPU; a Mamba2 model: fp32 only")
     p.add_argument("--cache-bytes", type=_bytes_or_auto, default="auto",
                    help="bytes of the KV pool that published prefixes may keep (default auto: half the pool)")
     p.add_argument("--host-cache-bytes", type=_at_least(0), default=1 << 30,

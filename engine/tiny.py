@@ -1,9 +1,11 @@
-"""Tiny Llama-family checkpoints built locally from a seed.
+"""Tiny checkpoints built locally from a seed: Llama-family and Mamba2.
 
 `write_tiny` writes a directory transformers' AutoModelForCausalLM loads as
 is: config.json, generation_config.json, model.safetensors (or shards and an
-index) and a byte-level tokenizer. Nothing is downloaded. `default_model_dir`
-is the demo's embedded model: written once into a cache directory, reused.
+index) and a byte-level tokenizer. Nothing is downloaded. arch="mamba2"
+hands the weights to engine/tiny_mamba2.py and writes the same tokenizer.
+`default_model_dir` is the demo's embedded model (llama, or mamba2): written
+once into a cache directory, reused.
 
 The weights are random but scaled so activations stay O(1) through the
 layers (projections N(0, 1/fan_in), embeddings N(0, 1)): HF's N(0, 0.02)
@@ -29,14 +31,21 @@ from safetensors.torch import save_file
 from .config import ARCHITECTURES, ModelConfig
 from .weights import INDEX_FILE, expected_shapes
 
-__all__ = ["SMALL", "SPECIAL_TOKENS", "TINY", "default_model_dir", "tiny_config", "tiny_tensors",
-           "write_tiny"]
+__all__ = ["MAMBA2", "SMALL", "SPECIAL_TOKENS", "TINY", "TINY_MAMBA2", "default_model_dir", "tiny_config",
+           "tiny_tensors", "write_tiny", "write_tiny_transformer"]
 
 TINY: dict[str, Any] = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                             num_kv_heads=2, max_position_embeddings=512)
 # ~58M parameters (32.8M of them embedding + lm_head).
 SMALL: dict[str, Any] = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
                              num_heads=8, num_kv_heads=4, max_position_embeddings=2048)
+
+MAMBA2 = "mamba2"
+# write_tiny(arch="mamba2")'s defaults (write_tiny_mamba2's parameters): ~0.1M parameters, a
+# sequence's recurrent state 40448 bytes (canonical + live, 2 layers).
+TINY_MAMBA2: dict[str, Any] = dict(vocab_size=320, hidden_size=64, state_size=16, num_heads=8, n_groups=1,
+                                   num_layers=2, expand=2, conv_kernel=4, chunk_size=16)
+MAMBA2_MAX_LEN = 1 << 16  # tokenizer_config's model_max_length: the Mamba2 runtime's default max_seq_len
 
 # After the 256 byte tokens. <|eot|> is an end of turn: an eos only
 # generation_config.json lists, as Llama 3 instruct checkpoints do.
@@ -46,7 +55,10 @@ _BOS, _EOS, _PAD, _EOT = range(4)
 # Bump when what write_tiny writes for given parameters changes: it is part
 # of the default model's cache key.
 _FORMAT = 1
-_DEFAULT_PARAMS: dict[str, Any] = dict(arch="llama", seed=0, **TINY)
+_DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
+    "llama": dict(arch="llama", seed=0, **TINY),
+    MAMBA2: dict(arch=MAMBA2, seed=0, **TINY_MAMBA2),
+}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -109,16 +121,29 @@ def tiny_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tiny(path: str | os.PathLike[str], *, arch: str = "llama", seed: int = 0,
-               vocab_size: int = TINY["vocab_size"], hidden_size: int = TINY["hidden_size"],
-               intermediate_size: int = TINY["intermediate_size"], num_layers: int = TINY["num_layers"],
-               num_heads: int = TINY["num_heads"], num_kv_heads: int = TINY["num_kv_heads"],
-               head_dim: int | None = None, max_position_embeddings: int = TINY["max_position_embeddings"],
-               rope_theta: float = 10000.0, rope_scaling: str | Mapping[str, Any] | None = None,
-               sliding_window: int | None = None, tie_word_embeddings: bool = False,
-               dtype: str | torch.dtype = "float32", shards: int = 1, tokenizer: bool = True,
-               **overrides: Any) -> Path:
+def write_tiny(path: str | os.PathLike[str], *, arch: str = "llama", seed: int = 0, **params: Any) -> Path:
     """Write a seeded checkpoint into `path` (created; must be empty) and return it.
+
+    arch: a Llama-family one (ARCHITECTURES; params: write_tiny_transformer's)
+    or "mamba2" (params: write_tiny_mamba2's, TINY_MAMBA2 by default). Both
+    write the same byte-level tokenizer unless tokenizer=False.
+    """
+    if arch == MAMBA2:
+        return _write_mamba2(path, seed=seed, **params)
+    return write_tiny_transformer(path, arch=arch, seed=seed, **params)
+
+
+def write_tiny_transformer(path: str | os.PathLike[str], *, arch: str = "llama", seed: int = 0,
+                           vocab_size: int = TINY["vocab_size"], hidden_size: int = TINY["hidden_size"],
+                           intermediate_size: int = TINY["intermediate_size"], num_layers: int = TINY["num_layers"],
+                           num_heads: int = TINY["num_heads"], num_kv_heads: int = TINY["num_kv_heads"],
+                           head_dim: int | None = None,
+                           max_position_embeddings: int = TINY["max_position_embeddings"],
+                           rope_theta: float = 10000.0, rope_scaling: str | Mapping[str, Any] | None = None,
+                           sliding_window: int | None = None, tie_word_embeddings: bool = False,
+                           dtype: str | torch.dtype = "float32", shards: int = 1, tokenizer: bool = True,
+                           **overrides: Any) -> Path:
+    """A Llama-family checkpoint (write_tiny's arch other than mamba2).
 
     rope_scaling: None, a rope dict ({"rope_type": "llama3", ...}) or the
     presets "llama3" / "linear". sliding_window: every layer's window (mistral,
@@ -135,9 +160,7 @@ def write_tiny(path: str | os.PathLike[str], *, arch: str = "llama", seed: int =
                       max_position_embeddings=max_position_embeddings,
                       rope_theta=rope_theta, rope_scaling=rope_scaling, sliding_window=sliding_window,
                       tie_word_embeddings=tie_word_embeddings, dtype=dtype, **overrides)
-    if tokenizer and vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"a byte-level tokenizer needs vocab_size >= {256 + len(SPECIAL_TOKENS)}, "
-                         f"got {vocab_size}")
+    _check_tokenizer_vocab(tokenizer, vocab_size)
     hf = cfg.to_hf_dict()
     if ModelConfig.from_dict(hf) != cfg:  # e.g. a layer_types override the arch cannot express
         raise ValueError(f"this {arch} config cannot be written as a config.json meaning the same")
@@ -145,25 +168,50 @@ def write_tiny(path: str | os.PathLike[str], *, arch: str = "llama", seed: int =
     if not 1 <= shards <= len(tensors):
         raise ValueError(f"shards must be in 1..{len(tensors)}, got {shards}")
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise FileExistsError(f"{out}: not empty")
+    out = _empty_dir(path)
     hf["eos_token_id"] = cfg.eos_token_ids[0] if cfg.eos_token_ids else None  # the rest: generation_config
     _write_json(out / "config.json", hf)
     _write_json(out / "generation_config.json", cfg.generation_dict())
     _write_safetensors(out, tensors, shards)
     if tokenizer:
-        _write_tokenizer(out, cfg)
+        _write_tokenizer(out, cfg.max_position_embeddings)
     return out
 
 
-def default_model_dir() -> Path:
-    """The demo's embedded model: a TINY llama written once from seed 0 into
-    $SUPERFLUID_CACHE (default ~/.cache/superfluid) as tiny-<hash of its
-    parameters>, then reused. Written in a temporary directory renamed into
-    place, so a reader never sees half a checkpoint and racing writers agree."""
-    key = json.dumps({"format": _FORMAT, **_DEFAULT_PARAMS}, sort_keys=True)
+def _write_mamba2(path: str | os.PathLike[str], *, seed: int, tokenizer: bool = True, **params: Any) -> Path:
+    """write_tiny_mamba2 with the transformer tiny model's special ids and
+    tokenizer: bos 256, eos 257 and 259 (<|eot|>; both in config.json, the
+    one file the Mamba2 loader reads), pad 258 — or, with a vocabulary under
+    260 and no tokenizer, its last four ids."""
+    from .tiny_mamba2 import write_tiny_mamba2
+
+    params = {**TINY_MAMBA2, **params}
+    specials = {"bos_token_id", "eos_token_id", "pad_token_id"} & set(params)
+    if specials:
+        raise TypeError(f"write_tiny(arch='mamba2') sets the special ids itself: {', '.join(sorted(specials))}")
+    vocab_size = params["vocab_size"]
+    if vocab_size < len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS)} (the special tokens), got {vocab_size}")
+    _check_tokenizer_vocab(tokenizer, vocab_size)
+    ids = _special_ids(vocab_size)
+    out = _empty_dir(path)
+    write_tiny_mamba2(out, seed, bos_token_id=ids[_BOS], eos_token_id=[ids[_EOS], ids[_EOT]],
+                      pad_token_id=ids[_PAD], **params)
+    if tokenizer:
+        _write_tokenizer(out, MAMBA2_MAX_LEN)
+    return out
+
+
+def default_model_dir(arch: str = "llama") -> Path:
+    """The demo's embedded model: a TINY llama (arch "mamba2": a TINY_MAMBA2
+    Mamba2) written once from seed 0 into $SUPERFLUID_CACHE (default
+    ~/.cache/superfluid) as tiny-<hash of its parameters>, then reused.
+    Written in a temporary directory renamed into place, so a reader never
+    sees half a checkpoint and racing writers agree."""
+    if arch not in _DEFAULT_PARAMS:
+        raise ValueError(f"no embedded {arch!r} model; embedded: {', '.join(_DEFAULT_PARAMS)}")
+    params = _DEFAULT_PARAMS[arch]
+    key = json.dumps({"format": _FORMAT, **params}, sort_keys=True)
     root = Path(os.environ.get("SUPERFLUID_CACHE") or Path.home() / ".cache" / "superfluid")
     final = root / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if final.is_dir():
@@ -171,7 +219,7 @@ def default_model_dir() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
-        write_tiny(tmp, **_DEFAULT_PARAMS)
+        write_tiny(tmp, **params)
         try:
             tmp.rename(final)
         except OSError:
@@ -189,6 +237,20 @@ def _special_ids(vocab_size: int) -> list[int]:
     n = len(SPECIAL_TOKENS)
     first = 256 if vocab_size >= 256 + n else vocab_size - n
     return list(range(first, first + n))
+
+
+def _check_tokenizer_vocab(tokenizer: bool, vocab_size: int) -> None:
+    if tokenizer and vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"a byte-level tokenizer needs vocab_size >= {256 + len(SPECIAL_TOKENS)}, "
+                         f"got {vocab_size}")
+
+
+def _empty_dir(path: str | os.PathLike[str]) -> Path:
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise FileExistsError(f"{out}: not empty")
+    return out
 
 
 def _rope_preset(name: str, max_pos: int) -> dict[str, Any]:
@@ -244,7 +306,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-def _write_tokenizer(out: Path, cfg: ModelConfig) -> None:
+def _write_tokenizer(out: Path, model_max_length: int) -> None:
     # A BPE with no merges over the byte alphabet: token id == byte value.
     # Written as JSON so writing needs no `tokenizers` install.
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
@@ -269,5 +331,5 @@ def _write_tokenizer(out: Path, cfg: ModelConfig) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[_BOS], "eos_token": SPECIAL_TOKENS[_EOS],
         "pad_token": SPECIAL_TOKENS[_PAD],
-        "model_max_length": cfg.max_position_embeddings, "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
     })

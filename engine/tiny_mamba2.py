@@ -19,8 +19,13 @@ __all__ = ["write_tiny_mamba2"]
 def write_tiny_mamba2(path: str | Path, seed: int = 0, *, vocab_size: int = 320, hidden_size: int = 64,
                       state_size: int = 16, num_heads: int = 8, n_groups: int = 1, num_layers: int = 2,
                       expand: int = 2, conv_kernel: int = 4, chunk_size: int = 16,
-                      tie_word_embeddings: bool = False) -> Path:
+                      tie_word_embeddings: bool = False, bos_token_id: int | None = 1,
+                      eos_token_id: int | list[int] | None = 2, pad_token_id: int | None = 0) -> Path:
+    """Write the checkpoint into `path` and return it. The special ids go to
+    config.json as given (engine.tiny.write_tiny(arch="mamba2") puts them
+    after the 256 byte tokens and adds a tokenizer)."""
     import transformers  # only the writer needs it
+    from transformers.utils import logging as hf_logging
 
     if (expand * hidden_size) % num_heads:
         raise ValueError("expand*hidden_size must be a multiple of num_heads")
@@ -28,7 +33,8 @@ def write_tiny_mamba2(path: str | Path, seed: int = 0, *, vocab_size: int = 320,
         vocab_size=vocab_size, hidden_size=hidden_size, state_size=state_size, num_heads=num_heads,
         head_dim=expand * hidden_size // num_heads, n_groups=n_groups, expand=expand,
         num_hidden_layers=num_layers, conv_kernel=conv_kernel, chunk_size=chunk_size,
-        tie_word_embeddings=tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
     )
     torch.manual_seed(seed)
     model = transformers.Mamba2ForCausalLM(cfg).eval()
@@ -62,5 +68,11 @@ def write_tiny_mamba2(path: str | Path, seed: int = 0, *, vocab_size: int = 320,
         if tie_word_embeddings:
             model.tie_weights()
     out = Path(path)
-    model.save_pretrained(out, safe_serialization=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return out

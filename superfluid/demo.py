@@ -8,6 +8,10 @@ by prompt lookup (speculation, which never changes a token) — once
 uninterrupted and once with the worker killed (SIGKILL) mid-run, checks that
 every request's tokens are the same bitwise, prints a summary, and shuts
 everything down.
+
+--arch mamba2 runs it on an embedded tiny Mamba2 model instead. Its runtime
+is exact_only (a recurrent state cannot be cut back to any length), so it
+cannot verify drafts: the demo installs no strategy there and says so.
 """
 
 from __future__ import annotations
@@ -112,21 +116,30 @@ class _Progress:
         self.out.flush()
 
 
+def _drafts(client) -> bool:
+    """Whether the worker's runtime can verify drafts: an exact_only one cannot
+    truncate a rejected draft away (INSTALL_STRATEGY answers Unsupported)."""
+    return not client.describe()["runtime"].get("exact_only", False)
+
+
 def _run(name: str, reqs: list[dict[str, Any]], label: str, kill_after_tokens: int | None, daemon, *,
-         budget: int, grant: int) -> tuple[dict[int, list[int]], Any, list[str]]:
+         budget: int, grant: int) -> tuple[dict[int, list[int]], Any, list[str], bool]:
+    """Each request's tokens, the planner's report, what happened, and whether lanes drafted."""
     from superfluid.client import Client
     from superfluid.client.planner import Planner
     from superfluid.client.strategies import Strategy
 
     notes: list[str] = []
     with Client.connect(name, 0, timeout=120) as client:
-        planner = Planner(client, prefill_token_budget=budget, decode_grant=grant, strategy=Strategy())
+        drafts = _drafts(client)
+        planner = Planner(client, prefill_token_budget=budget, decode_grant=grant,
+                          strategy=Strategy() if drafts else None)
         ids = []
         for r in reqs:
             host = _host_sampler(r["params"]) if r["sampling"] == Sampling.HOST else None
             ids.append(planner.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"],
                                       rng_base=r["rng_base"], host_sampler=host, grammar=r["grammar"],
-                                      speculate=r["speculate"]))
+                                      speculate=r["speculate"] and drafts))
         bar = _Progress(len(ids), label)
         start = time.monotonic()
         killed = False
@@ -146,7 +159,7 @@ def _run(name: str, reqs: list[dict[str, Any]], label: str, kill_after_tokens: i
                  report.stats.restarts, final=True)
         report.stats.wall_s = time.monotonic() - start
         report.stats.tokens_per_s = report.stats.tokens / max(1e-9, report.stats.wall_s)
-    return {i: report.results[rid].tokens for i, rid in enumerate(ids)}, report, notes
+    return {i: report.results[rid].tokens for i, rid in enumerate(ids)}, report, notes, drafts
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -154,17 +167,18 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
-def run(*, requests: int = 24, model: str | None = None, backend: str = "torch", seed: int = 7,
-        budget: int = 256, grant: int = 8, out=sys.stdout) -> int:
+def run(*, requests: int = 24, model: str | None = None, arch: str = "llama", backend: str = "torch",
+        seed: int = 7, budget: int = 256, grant: int = 8, out=sys.stdout) -> int:
     from superfluid.daemon.supervisor import Daemon
-    from superfluid.engine.config import load_config
+    from superfluid.daemon.worker import model_type, model_vocab
     from superfluid.engine.tiny import default_model_dir
     from superfluid.rings.segment import SegmentConfig
 
-    model_dir = model or str(default_model_dir())
-    vocab = load_config(model_dir).vocab_size
+    model_dir = model or str(default_model_dir(arch))
+    vocab = model_vocab(model_dir)
     name = f"demo-{os.getpid()}"
-    print(f"superfluid demo: model {model_dir} ({backend}), {requests} requests, daemon '{name}'", file=out)
+    print(f"superfluid demo: model {model_dir} ({model_type(model_dir)}, {backend}), {requests} requests, "
+          f"daemon '{name}'", file=out)
     cfg = SegmentConfig(logits_floats=max(1 << 20, 2 * 64 * vocab))
     daemon = Daemon(name, ["--model", model_dir, "--backend", backend], workers=1, segment_config=cfg,
                     restart_backoff=0.2, handle_signals=False)
@@ -173,10 +187,10 @@ def run(*, requests: int = 24, model: str | None = None, backend: str = "torch",
     loop.start()
     try:
         reqs = workload(vocab, requests, seed)
-        first, base, _ = _run(name, reqs, "uninterrupted", None, daemon, budget=budget, grant=grant)
+        first, base, _, _ = _run(name, reqs, "uninterrupted", None, daemon, budget=budget, grant=grant)
         total = sum(len(t) for t in first.values())
-        second, rep, notes = _run(name, reqs, "with a kill", max(1, total * 2 // 5), daemon, budget=budget,
-                                  grant=grant)
+        second, rep, notes, drafts = _run(name, reqs, "with a kill", max(1, total * 2 // 5), daemon,
+                                          budget=budget, grant=grant)
     finally:
         daemon.stop()
         loop.join(30)
@@ -196,10 +210,15 @@ def run(*, requests: int = 24, model: str | None = None, backend: str = "torch",
         ("tokens/s", f"{s.tokens_per_s:.1f} (uninterrupted: {base.stats.tokens_per_s:.1f})"),
         ("TTFT p50 / p99", f"{1e3 * (s.ttft_p50_s or 0):.1f} ms / {1e3 * (s.ttft_p99_s or 0):.1f} ms"),
         ("cache hit tokens", f"{s.seeded_tokens} prompt tokens seeded by {s.leases} leases, not prefilled "
-                             f"(uninterrupted: {base.stats.seeded_tokens})"),
+                             f"(uninterrupted: {base.stats.seeded_tokens})"
+                             + ("" if drafts else "; exact_only: a lease takes only a whole entry (a published "
+                                "turn, or a >= 128-token prompt's checkpoint), and these prompts share just "
+                                "their system prompts")),
         ("sheds", f"{s.prefill_chunks_shed} prefill chunks ({s.prefill_tokens_shed} tokens), {s.evictions} evictions"),
         ("speculation", f"{sum(r['speculate'] for r in reqs)} greedy lanes drafting: {s.draft_accepted} of "
-                        f"{s.draft_proposed} draft tokens taken"),
+                        f"{s.draft_proposed} draft tokens taken" if drafts else
+                        "skipped: the runtime is exact_only, it cannot cut a rejected draft back "
+                        "(INSTALL_STRATEGY: Unsupported); greedy lanes decode without drafts"),
         ("restarts", f"{s.restarts}"),
         ("recovered == uninterrupted", f"{len(same)}/{len(first)} requests bitwise equal"),
         ("JSON-schema answers", f"{sum(a is not None for a in answers)}/{len(answers)} valid"
@@ -214,14 +233,16 @@ def run(*, requests: int = 24, model: str | None = None, backend: str = "torch",
 
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    return run(requests=args.requests, model=args.model, backend=args.backend, seed=args.seed)
+    return run(requests=args.requests, model=args.model, arch=args.arch, backend=args.backend, seed=args.seed)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="daemon + mixed workload + a killed worker, recovered bitwise",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model of --arch)")
+    p.add_argument("--arch", choices=("llama", "mamba2"), default="llama",
+                   help="the embedded tiny model: llama (default) or mamba2 (exact_only: no drafting)")
     p.add_argument("--backend", choices=("torch", "triton"), default="torch")
     p.add_argument("--seed", type=int, default=7)
     p.set_defaults(func=_main)

@@ -217,7 +217,7 @@ def test_default_model_dir_written_once(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [d.name]  # no temp dir left
     cfg = load_config(d)
     assert cfg.arch == "llama" and cfg.hidden_size == TINY["hidden_size"]
-    ref = tensors_of(write_tiny(tmp_path / "ref", **tiny._DEFAULT_PARAMS))
+    ref = tensors_of(write_tiny(tmp_path / "ref", **tiny._DEFAULT_PARAMS["llama"]))
     w = load_weights(d, cfg)
     assert all(torch.equal(w[n], ref[n]) for n in w)
 
@@ -241,3 +241,75 @@ def test_default_model_dir_races(tmp_path, monkeypatch):
     assert not errors and len(set(results)) == 1
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [results[0].name]
     assert set(tensors_of(results[0])) == set(expected_shapes(tiny_config(**TINY))) | {"lm_head.weight"}
+
+
+# ------------------------------------------------------------------ mamba2
+
+
+def test_mamba2_through_write_tiny(tmp_path):
+    """arch="mamba2": write_tiny_mamba2's weights, the transformer tiny
+    model's tokenizer and special ids, and a directory HF and our loader read."""
+    from superfluid.engine import load
+    from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
+
+    d = write_tiny(tmp_path / "m", arch="mamba2", seed=5)
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["model_type"] == "mamba2" and raw["vocab_size"] == tiny.TINY_MAMBA2["vocab_size"]
+    assert (raw["bos_token_id"], raw["eos_token_id"], raw["pad_token_id"]) == (256, [257, 259], 258)
+    llama = write_tiny(tmp_path / "l")
+    assert (d / "tokenizer.json").read_bytes() == (llama / "tokenizer.json").read_bytes()
+    assert json.loads((d / "tokenizer_config.json").read_text())["eos_token"] == "<|eos|>"
+    # the weights are write_tiny_mamba2's for the seed, whatever the special ids
+    ours = load_file(d / "model.safetensors")
+    ref = load_file(write_tiny_mamba2(tmp_path / "ref", seed=5) / "model.safetensors")
+    assert set(ours) == set(ref) and all(torch.equal(ours[n], ref[n]) for n in ours)
+    other = load_file(write_tiny(tmp_path / "o", arch="mamba2", seed=6) / "model.safetensors")
+    assert not any(torch.equal(ours[n], other[n]) for n in ours if ours[n].numel() > 1)
+
+    rt = load(d)
+    assert rt.desc.exact_only and rt.vocabulary().eos == {257, 259}
+    assert rt.vocabulary().specials == {s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)}
+    assert rt.tokenizer_json == (d / "tokenizer.json").read_text()
+    _, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_mamba2_a_grammar_compiles_against_its_tokenizer(tmp_path):
+    pytest.importorskip("llguidance")
+    from superfluid.engine import load
+    from superfluid.executor import Executor
+
+    ex = Executor(load(write_tiny(tmp_path / "m", arch="mamba2", seed=1)))
+    done = ex.op({"op": "REGISTER_GRAMMAR", "op_id": 1, "kind": "regex", "text": "[ab]{3}"})
+    assert done.status == 0 and done.handle
+
+
+def test_mamba2_parameters(tmp_path):
+    d = write_tiny(tmp_path / "a", arch="mamba2", vocab_size=100, tokenizer=False, num_layers=1, n_groups=2)
+    raw = json.loads((d / "config.json").read_text())
+    assert (raw["num_hidden_layers"], raw["n_groups"]) == (1, 2) and not (d / "tokenizer.json").exists()
+    assert (raw["bos_token_id"], raw["eos_token_id"], raw["pad_token_id"]) == (96, [97, 99], 98)
+    with pytest.raises(ValueError, match="vocab_size >= 260"):
+        write_tiny(tmp_path / "b", arch="mamba2", vocab_size=100)
+    with pytest.raises(TypeError, match="intermediate_size"):
+        write_tiny(tmp_path / "c", arch="mamba2", intermediate_size=128)  # a transformer's parameter
+    with pytest.raises(TypeError, match="eos_token_id"):
+        write_tiny(tmp_path / "d", arch="mamba2", eos_token_id=3)
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "x").write_text("mine")
+    with pytest.raises(FileExistsError):
+        write_tiny(tmp_path / "e", arch="mamba2")
+
+
+def test_default_mamba2_model_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
+    d = default_model_dir("mamba2")
+    assert default_model_dir("mamba2") == d != default_model_dir()
+    assert json.loads((d / "config.json").read_text())["model_type"] == "mamba2"
+    assert (d / "tokenizer.json").exists()
+    ref = load_file(write_tiny(tmp_path / "ref", **tiny._DEFAULT_PARAMS["mamba2"]) / "model.safetensors")
+    got = load_file(d / "model.safetensors")
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([d.name, default_model_dir().name, "ref"])
+    with pytest.raises(ValueError, match="embedded"):
+        default_model_dir("gpt2")
