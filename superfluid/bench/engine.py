@@ -9,6 +9,12 @@ a forward over the prompts (prefill) and `generate` (its decode time is
 generate(G) less generate(1)). The invariance tax is the small model's
 decode run again with batch invariance off (plain GEMMs, plain softmax).
 
+Mamba2 rows (bench/engine_mamba2.py, CPU, fp32, under "mamba2"): the same
+measurements for a Mamba2 checkpoint of the tiny's size and one of the small
+model's hidden size, depth and vocabulary (--tiny-only: the tiny one), on
+our Mamba2 runtime and HF Mamba2ForCausalLM, with our logits checked within
+1e-4 of HF's. --no-mamba2 skips them.
+
 --dtype fp32|bf16|both: the fp32 numbers are the JSON's top-level keys, the
 bf16 run's the same keys under "bf16". Each block also has the measured
 peak GEMM GF/s and our decode's achieved GF/s per batch (model FLOPs of the
@@ -55,8 +61,10 @@ def _cache_root() -> Path:
 
 
 def checkpoint(name: str, **params: Any) -> Path:
-    """A seeded checkpoint written once into the cache and reused."""
+    """A seeded checkpoint written once into the cache and reused: arch
+    "mamba2" by write_tiny_mamba2, any other by write_tiny."""
     from superfluid.engine.tiny import write_tiny
+    from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
 
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     out = _cache_root() / f"bench-{name}-{key}"
@@ -65,7 +73,10 @@ def checkpoint(name: str, **params: Any) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        write_tiny(tmp, **params)
+        if params.get("arch") == "mamba2":
+            write_tiny_mamba2(tmp, **{k: v for k, v in params.items() if k != "arch"})
+        else:
+            write_tiny(tmp, **params)
         os.replace(tmp, out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -245,9 +256,12 @@ def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str,
 
 def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: int = 32, small: bool = True,
         dtype: str = "both", threads: int | None = None, device: str = "cpu", profile: bool = False,
-        peers: tuple[str, ...] = (), peak_n: int | None = None, log=lambda s: None) -> dict[str, Any]:
+        peers: tuple[str, ...] = (), peak_n: int | None = None, mamba2: bool = True,
+        log=lambda s: None) -> dict[str, Any]:
     """The bench's JSON. device "cuda": the ~0.5B model, triton backend, bf16
-    unless `dtype` says otherwise; no invariance tax, no peers."""
+    unless `dtype` says otherwise; no invariance tax, no peers, no Mamba2.
+    mamba2 (CPU): the Mamba2 rows under "mamba2", the small shape's if
+    `small` else the tiny's."""
     from superfluid.engine.tiny import SMALL, TINY
 
     t0 = time.perf_counter()
@@ -273,12 +287,15 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
                              peers=[] if cuda else list(peers), peak_n=peak_n or (8192 if cuda else 2048),
                              log=log)
                   for dt in dtypes}
+        m2 = _mamba2(batches, prompt_len, gen, small, log) if mamba2 and not cuda else None
         n_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
     result: dict[str, Any] = dict(blocks.get("fp32", {"dtype": None}))
     if "bf16" in blocks:
         result["bf16"] = blocks["bf16"]
+    if m2 is not None:
+        result["mamba2"] = m2
     result["load"] = meter.result()
     result["isa"] = system.isa(device)
     result["threads"] = n_threads
@@ -287,12 +304,24 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches),
                           "dtypes": [str(DTYPES[d]).removeprefix("torch.") for d in dtypes],
-                          "headline_model": headline}
+                          "headline_model": headline, "mamba2": mamba2 and not cuda}
     result["python"] = platform.python_version()
     result["torch"] = torch.__version__
     result["cpu_count"] = os.cpu_count()
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+def _mamba2(batches: tuple[int, ...], prompt_len: int, gen: int, small: bool, log) -> dict[str, Any]:
+    from superfluid.bench import engine_mamba2
+
+    shape = "small" if small else "tiny"
+    params = dict(arch="mamba2", seed=0, **(engine_mamba2.SMALL if small else engine_mamba2.TINY))
+    path = checkpoint(f"mamba2-{shape}", **params)
+    prompts = _prompts(batches, prompt_len, params["vocab_size"])
+    res = engine_mamba2.rows(path, prompts, prompt_len, gen, log=log)
+    res["model"] = {"name": f"mamba2-{shape}", **params}
+    return res
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -304,7 +333,7 @@ def _main(args: argparse.Namespace) -> int:
     peers = tuple(p for p in (args.peers or "").split(",") if p)
     res = run(batches=tuple(args.batches) if args.batches else None, prompt_len=args.prompt_len, gen=args.gen,
               small=not args.tiny_only, dtype=args.dtype, threads=args.threads, device=args.device,
-              profile=args.profile, peers=peers, log=log)
+              profile=args.profile, peers=peers, mamba2=not args.no_mamba2, log=log)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -314,6 +343,11 @@ def _main(args: argparse.Namespace) -> int:
               f"other processes' CPU share {load['other_processes_cpu_share']}, "
               f"load {load['loadavg_before'][0]}→{load['loadavg_after'][0]}, "
               f"peak RSS {res['peak_rss_mb']} MB, {res['wall_s']} s")
+        if "mamba2" in res:
+            m2 = res["mamba2"]
+            print(f"mamba2: decode speedup vs hf {m2['decode_speedup_vs_hf']}, "
+                  f"prefill speedup vs hf {m2['prefill_speedup_vs_hf']}, "
+                  f"logits within {m2['logits_tol']} of hf: {m2['logits_agree']}")
     return 0
 
 
@@ -325,7 +359,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"default {' '.join(map(str, BATCHES))} (cuda: {' '.join(map(str, CUDA_BATCHES))})")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=32, help="decode steps (tokens per lane)")
-    p.add_argument("--tiny-only", action="store_true", help="skip the small model")
+    p.add_argument("--tiny-only", action="store_true", help="skip the small models (transformer and Mamba2)")
+    p.add_argument("--no-mamba2", action="store_true", help="skip the Mamba2 rows")
     p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
                    help="fp32 numbers at the top level, bf16 under 'bf16' (cuda: both means bf16)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for us and HF (default: torch's)")

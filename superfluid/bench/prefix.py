@@ -14,6 +14,19 @@ histories as ours). Greedy, no stop at EOS: each answer is exactly
 TTFT warm vs cold: one request with a 2k-token prefix and a short new
 suffix; cold on an executor that has never seen the prefix (no leases),
 warm after the prefix was run once and published, leased. p50 of --repeats.
+
+The Mamba2 workload (under "mamba2", the same keys; --no-mamba2 skips it):
+the same chat and TTFT requests on a Mamba2 checkpoint of similar cost, on
+the exact_only Mamba2 runtime. There a lease covers a checkpoint's or a
+published entry's exact length (SPEC §6): the executor checkpoints every
+prompt of >= 128 tokens one token short of its end, and a retired lane
+publishes its settled state (prompt and answer). Turn 1 leases the system
+prompt's checkpoint, turn k+1 turn k's published lane; the warm TTFT request
+leases the prefix's checkpoint (the prefix's published entry holds its
+answer token too, so it is no prefix of the request) and prefills the
+prefix's last token and the suffix. The runtime is exact: leased and
+unleased runs give the same tokens, and the command exits 1 where any
+run's do not.
 """
 
 from __future__ import annotations
@@ -33,6 +46,9 @@ from superfluid.bench import system
 MODEL: dict[str, Any] = dict(arch="llama", seed=0, tokenizer=False, vocab_size=320, hidden_size=128,
                              intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                              max_position_embeddings=4096)
+# Its Mamba2 counterpart: the same vocabulary, width and depth (heads * head_dim = 2 * hidden).
+MAMBA2_MODEL: dict[str, Any] = dict(arch="mamba2", seed=0, vocab_size=320, hidden_size=128, state_size=32,
+                                    num_heads=8, num_layers=4, chunk_size=64)
 _PAGE = 16
 
 
@@ -40,13 +56,15 @@ def _toks(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(0, 256, n).tolist()  # byte ids: no special token in a prompt
 
 
-def _executor(model: str, cells: int, max_batch: int):
+def _executor(model: str, cells: int, max_batch: int, slots: int = 0):
+    """kv_cells for a paged runtime; slots: a Mamba2 runtime's state pool, in
+    sequences (it ignores kv_cells)."""
     from superfluid.client.local import LocalClient
     from superfluid.engine import load
     from superfluid.executor import Executor
     from superfluid.executor.rings import LocalRings
 
-    rt = load(model, "torch", kv_cells=cells, max_batch=max_batch)
+    rt = load(model, "torch", kv_cells=cells, max_batch=max_batch, **({"max_seqs": slots} if slots else {}))
     rings = LocalRings(prompt_tokens=1 << 20, emit_tokens=1 << 18, logits_floats=1 << 16)
     return LocalClient(Executor(rt, rings))
 
@@ -116,11 +134,14 @@ def _ttft(client, *, leases: bool, prefix, suffixes, budget: int, grant: int) ->
 
 def _hf(model: str, prompts, answer: int) -> dict[str, Any]:
     """HF generate per turn over the whole history (all conversations of a
-    turn have one length: no padding)."""
+    turn have one length: no padding). No eos (eos_token_id=[]): it runs the
+    whole answer and may pick an eos, as ours does with stop_at_eos off
+    (min_new_tokens would ban eos instead, and a greedy eos would differ)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # Mamba2's "falling back to the PyTorch implementation" notes
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     outs, toks = [], 0
     with torch.inference_mode():
@@ -129,7 +150,7 @@ def _hf(model: str, prompts, answer: int) -> dict[str, Any]:
         for turn in prompts:
             ids = torch.tensor(turn)
             out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer,
-                             min_new_tokens=answer, do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0, eos_token_id=[])
             outs.append(out[:, ids.shape[1]:].tolist())
             toks += answer * len(turn)
         wall = time.perf_counter() - t0
@@ -154,24 +175,34 @@ def _p50(xs: list[float]) -> float:
 def run(*, conversations: int = 4, turns: int = 4, system_tokens: int = 1024, user_tokens: int = 32,
         answer_tokens: int = 16, ttft_prefix: int = 2048, ttft_suffix: int = 16, repeats: int = 5,
         budget: int = 512, grant: int = 8, hf: bool = True, model: str | None = None,
-        seed: int = 0, threads: int | None = None) -> dict[str, Any]:
+        mamba2: bool = True, mamba2_model: str | None = None, seed: int = 0,
+        threads: int | None = None) -> dict[str, Any]:
+    """The transformer workload's keys at the top; mamba2: the same workload
+    on a Mamba2 checkpoint (mamba2_model, else MAMBA2_MODEL's) under "mamba2"."""
+    from superfluid.bench.engine import checkpoint
+
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)  # ours (the C kernels follow torch's count) and HF's
+    t_start = time.perf_counter()
+    meter = system.LoadMeter()
+    shape = dict(conversations=conversations, turns=turns, system_tokens=system_tokens,
+                 user_tokens=user_tokens, answer_tokens=answer_tokens, ttft_prefix=ttft_prefix,
+                 ttft_suffix=ttft_suffix, repeats=repeats, budget=budget, grant=grant, hf=hf, seed=seed)
     try:
-        return _run(conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_prefix, ttft_suffix,
-                    repeats, budget, grant, hf, model, seed)
+        res = _workload(model or str(checkpoint("prefix", **MODEL)), **shape)
+        if mamba2:
+            res["mamba2"] = _workload(mamba2_model or str(checkpoint("prefix-mamba2", **MAMBA2_MODEL)),
+                                      exact_only=True, **shape)
+        return system.finish(res, meter, t_start)
     finally:
         torch.set_num_threads(before)
 
 
-def _run(conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_prefix, ttft_suffix, repeats,
-         budget, grant, hf, model, seed) -> dict[str, Any]:
-    from superfluid.bench.engine import checkpoint
-
-    t_start = time.perf_counter()
-    meter = system.LoadMeter()
-    model = model or str(checkpoint("prefix", **MODEL))
+def _workload(model: str, *, conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_prefix,
+              ttft_suffix, repeats, budget, grant, hf, seed, exact_only: bool = False) -> dict[str, Any]:
+    """The chat with leases and without, the TTFT cold and warm, and HF, on
+    one checkpoint; every workload draws the same tokens (from `seed`)."""
     rng = np.random.default_rng(seed)
     system_prompt = _toks(rng, system_tokens)
     users = [[_toks(rng, user_tokens) for _ in range(turns)] for _ in range(conversations)]
@@ -180,10 +211,13 @@ def _run(conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_p
     cells = max(4 * conversations * (longest + 2 * _PAGE) + 4 * (ttft_prefix + ttft_suffix + 2 * _PAGE),
                 4 * (budget + 64))  # and the warm-up's
     max_batch = max(8, conversations)
+    # exact_only: a state slot per live lane and per cache entry: each turn's published
+    # lane and its prompt's checkpoint, the system prompt's, the TTFT requests', with room.
+    slots = 2 * (conversations * turns + repeats + 4) + 2 * max_batch if exact_only else 0
 
     runs = {}
     for leases in (True, False):
-        client = _executor(model, cells, max_batch)
+        client = _executor(model, cells, max_batch, slots)
         _warm_up(client, budget, grant, rng)
         runs[leases] = _chat(client, leases=leases, system_prompt=system_prompt, users=users,
                              answer=answer_tokens, budget=budget, grant=grant)
@@ -193,7 +227,7 @@ def _run(conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_p
     suffixes = [_toks(rng, ttft_suffix) for _ in range(repeats + 1)]  # the first: a warm-up
     ttft = {}
     for leases in (False, True):  # each on a fresh executor: cold has never seen the prefix
-        client = _executor(model, cells, max_batch)
+        client = _executor(model, cells, max_batch, slots)
         _warm_up(client, budget, grant, rng)
         ttft[leases] = _ttft(client, leases=leases, prefix=prefix, suffixes=suffixes, budget=budget,
                              grant=grant)
@@ -221,27 +255,36 @@ def _run(conversations, turns, system_tokens, user_tokens, answer_tokens, ttft_p
                        "user_tokens": user_tokens, "answer_tokens": answer_tokens,
                        "ttft_prefix_tokens": ttft_prefix,
                        "ttft_suffix_tokens": ttft_suffix, "repeats": repeats, "prefill_token_budget": budget,
-                       "decode_grant": grant, "kv_cells": cells, "model": model, "sampling": "greedy",
-                       "hf_mode": "one generate per turn, the N conversations batched, full history"}
-    return system.finish(res, meter, t_start)
+                       "decode_grant": grant, "model": model, "sampling": "greedy",
+                       "hf_mode": "one generate per turn, the N conversations batched, full history",
+                       **({"arch": "mamba2", "state_slots": slots} if exact_only else {"kv_cells": cells})}
+    return res
+
+
+def _equal(res: dict[str, Any]) -> bool:
+    """Every workload's leased and unleased runs gave the same tokens."""
+    return all(r["tokens_equal"] and r["ttft_tokens_equal"] for r in (res, res.get("mamba2") or res))
 
 
 def _main(args: argparse.Namespace) -> int:
     res = run(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
               user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, ttft_prefix=args.ttft_prefix,
-              repeats=args.repeats, hf=not args.no_hf, model=args.model, threads=args.threads)
+              repeats=args.repeats, hf=not args.no_hf, model=args.model, mamba2=not args.no_mamba2,
+              mamba2_model=args.mamba2_model, threads=args.threads)
     if args.json:
         print(json.dumps(res, indent=2))
-        return 0
-    rows = [("TTFT p50 cold / warm (ms)", f"{res['ttft_ms_cold']} / {res['ttft_ms_warm']}"),
-            ("warm vs cold", f"{res['warm_vs_cold']}x (target 20x: {res['meets_warm_vs_cold_20']})"),
-            ("tok/s with leases / without", f"{res['tok_s_with_leases']} / {res['tok_s_without']}"),
-            ("leases vs without", f"{res['leases_vs_without']}x (target 3x: {res['meets_leases_3x']})"),
-            ("hit tokens", res["hit_tokens"]), ("HF generate tok/s", res["hf_tok_s"]),
-            ("tokens equal", res["tokens_equal"])]
-    for k, v in rows:
-        print(f"{k:<30} {v}")
-    return 0
+        return 0 if _equal(res) else 1
+    cols = [("transformer", res)] + ([("mamba2", res["mamba2"])] if "mamba2" in res else [])
+    rows = [("TTFT p50 cold / warm (ms)", lambda r: f"{r['ttft_ms_cold']} / {r['ttft_ms_warm']}"),
+            ("warm vs cold", lambda r: f"{r['warm_vs_cold']}x (20x: {r['meets_warm_vs_cold_20']})"),
+            ("tok/s with leases / without", lambda r: f"{r['tok_s_with_leases']} / {r['tok_s_without']}"),
+            ("leases vs without", lambda r: f"{r['leases_vs_without']}x (3x: {r['meets_leases_3x']})"),
+            ("hit tokens", lambda r: r["hit_tokens"]), ("HF generate tok/s", lambda r: r["hf_tok_s"]),
+            ("tokens equal", lambda r: r["tokens_equal"] and r["ttft_tokens_equal"])]
+    print(f"{'':<30} " + " ".join(f"{name:<26}" for name, _ in cols))
+    for label, cell in rows:
+        print(f"{label:<30} " + " ".join(f"{str(cell(r)):<26}" for _, r in cols))
+    return 0 if _equal(res) else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -258,4 +301,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for us and HF (default: torch's)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
     p.add_argument("--model", help="checkpoint directory (default: a seeded 4-layer model, 4k context)")
+    p.add_argument("--no-mamba2", action="store_true", help="skip the Mamba2 workload")
+    p.add_argument("--mamba2-model", help="Mamba2 checkpoint directory (default: a seeded 4-layer one)")
     p.set_defaults(func=_main)

@@ -27,7 +27,7 @@ ENGINE_KEYS = ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_t
 def test_bench_engine_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
     res = engine.run(batches=(1, 3), prompt_len=8, gen=3, small=False, dtype="both", threads=1, peak_n=128,
-                     profile=True)
+                     profile=True, mamba2=False)  # its rows: tests/bench/test_bench_mamba2.py
     bf16 = res["bf16"]
     for block, dtype in ((res, "float32"), (bf16, "bfloat16")):
         assert block["dtype"] == dtype and block["peak_gflops"] > 0
@@ -194,7 +194,8 @@ def test_bench_e2e_keys(shm_dir, capsys):
 def test_bench_prefix_keys(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
     assert main(["bench", "prefix", "--json", "--conversations", "2", "--turns", "2", "--system-tokens", "64",
-                 "--user-tokens", "16", "--answer-tokens", "4", "--ttft-prefix", "64", "--repeats", "1"]) == 0
+                 "--user-tokens", "16", "--answer-tokens", "4", "--ttft-prefix", "64", "--repeats", "1",
+                 "--no-mamba2"]) == 0
     res = json.loads(capsys.readouterr().out)
     for key in ("ttft_ms_warm", "ttft_ms_cold", "warm_vs_cold", "tok_s_with_leases", "tok_s_without",
                 "hf_tok_s"):
