@@ -59,6 +59,16 @@ class StepOut:
     decoded: tuple[torch.Tensor, torch.Tensor]   # after each decode job's token
 
 
+def _cpu_kernels() -> bool:
+    import os
+
+    if os.environ.get("SUPERFLUID_CPU_KERNELS", "1") == "0":
+        return False
+    from superfluid.kernels import cpu
+
+    return cpu.available()
+
+
 def softplus(x: torch.Tensor) -> torch.Tensor:
     """F.softplus (threshold 20) from position-independent ops: log1p(u) as
     log(v) * u / (v - 1), v = 1 + u (exact to a few ulp, no tail rounding)."""
@@ -102,6 +112,28 @@ class Mamba2Forward:
                 gnorm=get(m + "norm.weight"), out_w=get(m + "out_proj.weight"),
                 out_b=get(m + "out_proj.bias")))
         self.weight_bytes = sum(t.numel() * 4 for t in {id(t): t for t in weights.values()}.values())
+        self.head_packed = None
+        if device.type == "cpu" and _cpu_kernels():
+            # The transformer's C GEMM (kernels/cpu.py): as row-invariant as kernels/linear.py
+            # (a thread takes whole output panels, never part of a reduction) and faster at
+            # decode widths than torch's GEMM on padded tokens. The packed copy replaces the
+            # weight (a tied head keeps the embedding, which embeds).
+            from superfluid.kernels import cpu
+
+            self._cpu = cpu
+            for w in self.layers:
+                for kind in ("in", "out"):
+                    w[kind + "_p"] = cpu.pack(w.pop(kind + "_w"), w[kind + "_b"])
+            self.head_packed = cpu.pack(self.head)
+            if not tied:
+                self.head = None
+
+    def _linear(self, x: torch.Tensor, w: dict, kind: str) -> torch.Tensor:
+        """The in_proj or out_proj of layer weights w."""
+        p = w.get(kind + "_p")
+        if p is not None:
+            return self._cpu.linear(x.contiguous(), p)
+        return _linear(x, w[kind + "_w"], w[kind + "_b"])
 
     def __call__(self, chunk_jobs: list[ChunkJob], decode_jobs: list[DecodeJob], rows: list[tuple[str, int]],
                  pool) -> StepOut:
@@ -119,7 +151,7 @@ class Mamba2Forward:
         with torch.no_grad():
             hid = self.emb[lay.tokens]
             for l, w in enumerate(self.layers):
-                zxbcdt = _linear(rmsnorm(hid, w["norm"], cfg.eps), w["in_w"], w["in_b"])
+                zxbcdt = self._linear(rmsnorm(hid, w["norm"], cfg.eps), w, "in")
                 z, xbc, dtr = zxbcdt.split([I, D, H], dim=-1)
                 y, xs = empty((lay.Tc + lay.Td, I)), empty((lay.Tc + lay.Td, I))
                 ends = None
@@ -131,10 +163,12 @@ class Mamba2Forward:
                 y = (y.view(-1, H, cfg.head_dim) + w["D"][:, None] * xs.view(-1, H, cfg.head_dim)).view(-1, I)
                 g = (y * silu(z)).view(-1, cfg.n_groups, I // cfg.n_groups)
                 g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + cfg.eps)).view(-1, I)
-                hid = hid + _linear(w["gnorm"] * g, w["out_w"], w["out_b"])
+                hid = hid + self._linear(w["gnorm"] * g, w, "out")
             if rows:
                 at = lay.index([lay.job_end[i] if kind == "c" else lay.Tc + i for kind, i in rows])
-                out.logits = _linear(rmsnorm(hid[at], self.norm_f, cfg.eps), self.head)
+                last = rmsnorm(hid[at], self.norm_f, cfg.eps)
+                out.logits = (self._cpu.linear(last.contiguous(), self.head_packed) if self.head_packed is not None
+                              else _linear(last, self.head))
         return out
 
     def _chunks(self, l, w, xbc, dtr, lay: "_Layout", pool, out: StepOut, y, xs):
