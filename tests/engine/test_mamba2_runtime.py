@@ -10,13 +10,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from superfluid.engine import CapacityError, Feed, OutOfBounds, UnknownSequence, load
 from superfluid.engine.mamba2 import WeightError
 from superfluid.engine.mamba2_runtime import Mamba2Runtime
 from superfluid.engine.mamba2_state import StatePool
 from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
+from tests.engine.test_mamba2_oracle import _rewrite
 
 transformers = pytest.importorskip("transformers")
 
@@ -264,15 +264,6 @@ def test_a_bad_step_is_refused_before_anything_changes(pair):
         rt.step([Feed(a, [1]), Feed(10**6, [1])])
     assert (rt.seq_export(a), rt.seq_export(b)) == before
     assert rt.step([]) == []
-
-
-def _rewrite(src, dst, edit):
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    tensors = load_file(src / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
 
 
 def test_load_refuses_a_checkpoint_that_disagrees_with_its_config(pair, tmp_path):

@@ -753,3 +753,30 @@ class Planner:
 def ex() -> Executor:
     """An executor over a small fake (vocab 64, max_seq_len 64, page 4)."""
     return make_executor(fault_injection=True)
+
+
+def leased_chat(make_runtime, system: list[int], conversations: int, *, use_leases: bool,
+                budget: int = 256, turns: int = 3):
+    """Conversations over one system prompt through the reference planner on
+    an in-process executor, `turns` turns each, every turn appending the
+    answer and a new question: (every answer, the planner's stats)."""
+    from superfluid.client.local import LocalClient
+    from superfluid.client.planner import Planner
+
+    rt = make_runtime()
+    try:
+        planner = Planner(LocalClient(Executor(rt, small_rings())), prefill_token_budget=budget, decode_grant=6,
+                          use_leases=use_leases)
+        history = {c: list(system) + [100 + c] for c in range(conversations)}
+        outs = []
+        for turn in range(turns):
+            ids = {c: planner.submit(history[c], 6, SAMPLE, params=sampling_params(temperature=0.7, top_k=30),
+                                     rng_base=1000 * c + 10 * turn, stop_at_eos=False) for c in range(conversations)}
+            rep = planner.run_until_done(200)
+            for c, rid in ids.items():
+                toks = rep.results[rid].tokens
+                outs.append(toks)
+                history[c] += toks + [120 + turn]
+        return outs, planner.stats
+    finally:
+        rt.close()

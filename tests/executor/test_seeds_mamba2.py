@@ -15,14 +15,12 @@ import pytest
 
 from superfluid.abi import Determinism, OpStatus, Sampling
 from superfluid.client.builder import PlanBuilder, sampling_params
-from superfluid.client.local import LocalClient
-from superfluid.client.planner import Planner
 from superfluid.engine import load
 from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
 from superfluid.executor.executor import Executor
 from superfluid.executor.tick import CHECKPOINT_MIN_TOKENS
 
-from tests.executor.conftest import BIG_BUDGET, check_invariants, emit_of, emitted, put, small_rings
+from tests.executor.conftest import BIG_BUDGET, check_invariants, emit_of, emitted, leased_chat, put, small_rings
 
 SPI = int(Determinism.SEED_PATH_INVARIANT)
 SAMPLE = int(Sampling.GPU_SAMPLE)
@@ -172,26 +170,7 @@ def test_export_and_import_of_a_checkpoint_on_another_executor(model_dir):
 
 def test_planner_chat_with_leases_gives_the_tokens_it_gives_without(model_dir):
     """Two conversations over one long system prompt, three turns each."""
-    def chat(use_leases: bool):
-        rt = runtime(model_dir)
-        try:
-            planner = Planner(LocalClient(Executor(rt, small_rings())), prefill_token_budget=512, decode_grant=6,
-                              use_leases=use_leases)
-            history = {c: list(SYSTEM) + [100 + c] for c in range(2)}
-            outs = []
-            for turn in range(3):
-                ids = {c: planner.submit(history[c], 6, SAMPLE, params=sampling_params(temperature=0.7, top_k=30),
-                                         rng_base=1000 * c + 10 * turn, stop_at_eos=False) for c in range(2)}
-                rep = planner.run_until_done(200)
-                for c, rid in ids.items():
-                    toks = rep.results[rid].tokens
-                    outs.append(toks)
-                    history[c] += toks + [120 + turn]
-            return outs, planner.stats
-        finally:
-            rt.close()
-
-    plain, s0 = chat(False)
-    leased, s1 = chat(True)
+    plain, s0 = leased_chat(lambda: runtime(model_dir), SYSTEM, 2, use_leases=False, budget=512)
+    leased, s1 = leased_chat(lambda: runtime(model_dir), SYSTEM, 2, use_leases=True, budget=512)
     assert leased == plain
     assert s0.seeded_tokens == 0 and s1.seeded_tokens >= 2 * 2 * len(SYSTEM), s1
