@@ -25,6 +25,7 @@ _HDR = struct.Struct("<IIQQ")
 _HDR3 = struct.Struct("<IIQ")  # the header less its session
 _SESSION = struct.Struct("<Q")
 _SESSION_AT = _HDR3.size
+SESSION_OFFSET = _SESSION_AT  # where MsgHeader.session lies in a slot message
 MSG_HEADER_BYTES = _HDR.size
 assert MSG_HEADER_BYTES == ffi.sizeof("MsgHeader")
 

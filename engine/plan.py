@@ -136,6 +136,18 @@ _PLAN_SPANS = tuple(i for i, f in enumerate(codec.LAYOUTS["TickPlan"]) if f.kind
 assert _PLAN.flat is False and len(_PLAN_SPANS) == 5 and _PLAN_SPANS == tuple(range(8, 13)), _PLAN_SPANS
 assert TickPlan._fields[1:4] == ("plan_seq", "flags", "max_decode_lanes") and TickPlan._fields[5] == \
     "evictable_cache_classes"
+_PLAN_SPANS_BYTES = len(_PLAN_SPANS) * ffi.sizeof("Span")
+
+
+# empty_plan's one read of a plan message: the header's kind, record_bytes and
+# arena_bytes, then the record's struct_size, plan_seq, flags, max_decode_lanes,
+# evictable_cache_classes and its five spans as one run of bytes (all zero in an
+# empty plan); what it skips decode_plan does not refuse.
+_EMPTY = struct.Struct(f"<IIQ8xQQII4xI16x{_PLAN_SPANS_BYTES}s16x")
+_NO_SPANS = bytes(_PLAN_SPANS_BYTES)
+assert _EMPTY.size == _PLAN.message.size and codec.MSG_HEADER_BYTES == 24
+assert [ffi.offsetof("TickPlan", f) for f in ("plan_seq", "max_decode_lanes", "evictable_cache_classes", "admits",
+                                               "on_partial_emit")] == [8, 20, 28, 48, 48 + _PLAN_SPANS_BYTES]
 
 
 def empty_plan(buf) -> tuple[int, int] | None:
@@ -143,13 +155,11 @@ def empty_plan(buf) -> tuple[int, int] | None:
     no lists, no arena and nothing decode_plan would refuse: the executor's
     tick_empty can run it with no decoding. None for anything else, which
     decode_plan then reads (and refuses where it must)."""
-    if len(buf) < _PLAN.message.size:
+    if len(buf) < _EMPTY.size:
         return None
-    (kind, record_bytes, arena_bytes, _, size, seq, flags, max_lanes, _, classes, _, _,
-     a0, a1, p0, p1, d0, d1, c0, c1, r0, r1, _, _) = _PLAN.message.unpack_from(buf)
-    if (kind != _PLAN_KIND or record_bytes != _PLAN.size or size != _PLAN.size or arena_bytes
-            or a0 or a1 or p0 or p1 or d0 or d1 or c0 or c1 or r0 or r1 or seq > PLAN_SEQ_MAX
-            or flags & ~PLAN_FLAGS_ALL or classes & ~CACHE_CLASSES_ALL):
+    kind, record_bytes, arena_bytes, size, seq, flags, max_lanes, classes, spans = _EMPTY.unpack_from(buf)
+    if (kind != _PLAN_KIND or record_bytes != _PLAN.size or size != _PLAN.size or arena_bytes or spans != _NO_SPANS
+            or seq > PLAN_SEQ_MAX or flags & ~PLAN_FLAGS_ALL or classes & ~CACHE_CLASSES_ALL):
         return None
     return seq, max_lanes
 
@@ -186,23 +196,27 @@ def _bare_events() -> bytes:
 
 
 _BARE = _bare_events()
-_Q = struct.Struct("<Q")
-_MEM = struct.Struct("<6Q")
 _H = codec.MSG_HEADER_BYTES
 _BARE_SEQ, _BARE_WALL, _BARE_MEM, _BARE_EPOCH = (_H + ffi.offsetof("TickEvents", *f) for f in (
     ("plan_seq",), ("timings", "wall_ns"), ("mem",), ("worker_epoch",)))
-assert ffi.sizeof("TickMemCounters") == _MEM.size  # (tests/abi: the bytes equal encode_events_into's)
+# Two stores besides the template: MsgHeader.session to plan_seq, and wall_ns
+# to worker_epoch (the words between them are the template's, written back).
+_BARE_HEAD = struct.Struct("<3Q")  # session, struct_size, plan_seq
+_BARE_TAIL = struct.Struct("<11Q")  # wall_ns, 3 other timings, the 6 mem words, worker_epoch
+_SESSION_AT = codec.SESSION_OFFSET
+_BARE_SIZE = _BARE_HEAD.unpack_from(_BARE, _SESSION_AT)[1]
+_BARE_T1, _BARE_T2, _BARE_T3 = _BARE_TAIL.unpack_from(_BARE, _BARE_WALL)[1:4]
+assert _BARE_SEQ == _SESSION_AT + 16 and ffi.sizeof("TickMemCounters") == 48
+assert _BARE_MEM == _BARE_WALL + 32 and _BARE_EPOCH == _BARE_MEM + 48  # (tests/abi: bytes equal encode_events_into's)
 
 
 def encode_bare_events_into(buf, plan_seq: int, wall_ns: int, mem, epoch: int, session: int) -> None:
     """What encode_events_into writes for an OK TickEvents with no lists, no
     op completions and no message (an empty plan's), at a few stores' cost."""
     buf[:len(_BARE)] = _BARE
-    codec.set_session(buf, session)
-    _Q.pack_into(buf, _BARE_SEQ, plan_seq)
-    _Q.pack_into(buf, _BARE_WALL, wall_ns)
-    _MEM.pack_into(buf, _BARE_MEM, *mem)
-    _Q.pack_into(buf, _BARE_EPOCH, epoch)
+    _BARE_HEAD.pack_into(buf, _SESSION_AT, session, _BARE_SIZE, plan_seq)
+    a, b, c, d, e, f = mem
+    _BARE_TAIL.pack_into(buf, _BARE_WALL, wall_ns, _BARE_T1, _BARE_T2, _BARE_T3, a, b, c, d, e, f, epoch)
 
 
 def decode_events(buf) -> TickEvents:

@@ -54,6 +54,7 @@ class PrefixCache:
         # Totals kept as entries come, go and move to the host tier: read every tick.
         self._resident_bytes = 0
         self._host_bytes = 0
+        self._unpinned_bytes = 0  # resident entries no lease pins: what an eviction could give back
 
     # ------------------------------------------------------------ reading
 
@@ -91,7 +92,7 @@ class PrefixCache:
 
     @property
     def unpinned_bytes(self) -> int:
-        return sum(e.bytes for e in self._by_seq.values() if e.pins == 0)
+        return self._unpinned_bytes
 
     def lru(self, *, resident: bool = True) -> list[CacheEntry]:
         """Unpinned entries (resident, or exported), least recently used first."""
@@ -176,6 +177,7 @@ class PrefixCache:
         if seq is not None:
             self._by_seq[seq] = e
             self._resident_bytes += e.bytes
+            self._unpinned_bytes += e.bytes
         self._host_bytes += self._host_size(e)
         p = self.page
         node = self._root
@@ -194,6 +196,8 @@ class PrefixCache:
         if e.seq is not None:
             del self._by_seq[e.seq]
             self._resident_bytes -= e.bytes
+            if not e.pins:
+                self._unpinned_bytes -= e.bytes
         self._host_bytes -= self._host_size(e)
         path = self._walk(e.tokens, len(e.tokens) // self.page)
         path[-1].ends.discard(e.eid)
@@ -208,8 +212,18 @@ class PrefixCache:
         """The entry's state left the pool for host memory."""
         del self._by_seq[e.seq]
         self._resident_bytes -= e.bytes
+        if not e.pins:
+            self._unpinned_bytes -= e.bytes
         e.seq, e.blob, e.checkpoint = None, blob, False
         self._host_bytes += self._host_size(e)
+
+    def pin(self, e: CacheEntry, by: int = 1) -> None:
+        """A lease starts (by=1) or ends (by=-1) on e: pins change only here,
+        so unpinned_bytes stays the sum it stands for."""
+        was = e.pins
+        e.pins = was + by
+        if e.seq is not None and self._by_seq.get(e.seq) is e and (was == 0) != (e.pins == 0):
+            self._unpinned_bytes += e.bytes if e.pins == 0 else -e.bytes
 
     def plan_evict(self, cap_bytes: int, enough: Callable[[list[CacheEntry]], bool],
                    candidates: list[CacheEntry] | None = None) -> tuple[list[CacheEntry], bool]:

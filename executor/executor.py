@@ -93,7 +93,7 @@ class Executor:
             cache_max_bytes = mem.cells_total * runtime.cell_bytes() // 2 if mem.cells_total else None
         self.cache_max_bytes = cache_max_bytes
         self.host_cache_bytes = max(0, host_cache_bytes)
-        self.leases = LeaseTable(max_leases)
+        self.leases = LeaseTable(self.cache, max_leases)
         self.last_plan_seq: int | None = None
         self.tick_count = 0
         self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias
@@ -263,7 +263,8 @@ class Executor:
         mem = self.runtime.mem_counters()
         if self.desc.max_seqs and mem.seqs > self.desc.max_seqs:
             return None
-        self.sweep_leases()
+        if self.leases.leases:  # (none: nothing to sweep, and a call saved on every empty plan)
+            self.sweep_leases()
         self.last_plan_seq = plan_seq
         self.tick_count += 1
         return self._mem_record(mem)
@@ -305,11 +306,12 @@ class Executor:
     def _mem_record(self, mem: MemCounters | None = None) -> TickMemCounters:
         if mem is None:
             mem = self.runtime.mem_counters()
-        page, cache = max(1, self.desc.page), self.cache
+        cache = self.cache
+        page = cache.page  # (the executor's page: max(1, desc.page))
         # Every tick, so straight from C (_MEM_FIELDS pins the order): allocated, host
         # retained, pool blocks total and used, evictable (unpinned resident) bytes, tentative.
         return _tn(TickMemCounters, (mem.allocated_bytes, cache.host_bytes, mem.cells_total // page,
-                                     mem.cells_used // page, cache.unpinned_bytes if len(cache) else 0, 0))
+                                     mem.cells_used // page, cache.unpinned_bytes, 0))
 
     def state_digest(self) -> str:
         """A hash of everything a tick can change (lanes, cache, leases,

@@ -66,10 +66,11 @@ class SeedUse:
 
 
 class LeaseTable:
-    def __init__(self, capacity: int = DEFAULT_MAX_LEASES):
+    def __init__(self, cache: PrefixCache, capacity: int = DEFAULT_MAX_LEASES):
         if capacity < 1:
             raise ValueError(f"a lease table holds at least 1 lease, not {capacity}")
         self.capacity = capacity
+        self.cache = cache  # the one whose entries the leases pin
         self.leases: dict[int, SeedLease] = {}
         self.expired: collections.OrderedDict[int, int] = collections.OrderedDict()  # handle -> expiry tick
 
@@ -87,7 +88,7 @@ class LeaseTable:
         return len(self.leases) >= self.capacity
 
     def add(self, lease: SeedLease) -> None:
-        lease.entry.pins += 1
+        self.cache.pin(lease.entry)
         self.leases[lease.handle] = lease
 
     def drop(self, lease: SeedLease) -> None:
@@ -95,7 +96,7 @@ class LeaseTable:
         left the entry in the cache): its pin goes."""
         del self.leases[lease.handle]
         e = lease.entry
-        e.pins -= 1
+        self.cache.pin(e, -1)
         if lease.adopt:
             e.bare = False  # nobody adopts it now: an ordinary entry from here on
 

@@ -189,6 +189,7 @@ def check_invariants(ex: Executor) -> None:
         # (an expired lease is swept by the next check: SPEC §3 step 3)
         assert ls.entry.tokens[:len(ls.prefix)] == ls.prefix and ls.expires >= ex.tick_count
     assert ex.cache.host_bytes <= max(ex.host_cache_bytes, 0)
+    assert ex.cache.unpinned_bytes == sum(e.bytes for e in ex.cache if e.pins == 0)  # (kept, not summed)
 
 
 def check_events(ex: Executor, plan, r: TickResult) -> None:

@@ -25,3 +25,30 @@ def test_byte_totals_follow_inserts_exports_and_removes():
     assert (c.resident_bytes, c.host_bytes) == _sums(c) == (400, 0)
     c.remove(b)
     assert (c.resident_bytes, c.host_bytes) == (0, 0) and len(c) == 0
+
+
+def _unpinned(c: PrefixCache) -> int:
+    return sum(e.bytes for e in c.all() if e.resident and e.pins == 0)
+
+
+def test_unpinned_bytes_follow_pins_exports_and_removes():
+    c = PrefixCache(4)
+    a = c.insert(1, tuple(range(8)), 8, 800, 0)
+    b = c.insert(2, tuple(range(4)), 4, 400, 0)
+    h = c.insert(None, tuple(range(12)), 12, 1200, 0, blob=b"x" * 50)
+    assert c.unpinned_bytes == _unpinned(c) == 1200
+    c.pin(a)
+    c.pin(a)  # two leases on one entry
+    c.pin(h)  # a host entry holds nothing in the pool, pinned or not
+    assert c.unpinned_bytes == _unpinned(c) == 400
+    c.pin(a, -1)
+    assert c.unpinned_bytes == _unpinned(c) == 400  # one lease left
+    c.pin(a, -1)
+    assert c.unpinned_bytes == _unpinned(c) == 1200
+    c.pin(b)
+    c.remove(b)  # a pinned entry leaving (an admit took it over) was not counted
+    c.pin(b, -1)  # nor is it when its lease goes after
+    assert c.unpinned_bytes == _unpinned(c) == 800
+    c.set_exported(a, b"y" * 30)
+    c.pin(h, -1)
+    assert c.unpinned_bytes == _unpinned(c) == 0

@@ -55,6 +55,22 @@ def test_empty_plan_reads_only_what_decode_plan_would_run_as_empty():
     assert empty_plan(_plan(7)[:40]) is None  # short
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 127), st.integers(0, 255)), min_size=1, max_size=4), st.booleans())
+def test_what_empty_plan_takes_decode_plan_runs_as_that_empty_plan(pokes, listed):
+    """Bytes of a plan changed anywhere: what empty_plan takes, decode_plan
+    takes too, as a plan with no lists of that plan_seq and lane budget."""
+    m = bytearray(PlanBuilder(7, max_decode_lanes=2).decode(1).encode() if listed else _plan(7, max_decode_lanes=2))
+    for at, byte in pokes:
+        m[at] = byte
+    head = empty_plan(m)
+    if head is None:
+        return
+    p = decode_plan(m)
+    assert (p.plan_seq, p.max_decode_lanes) == head
+    assert not (p.admits or p.prefills or p.decodes or p.commits or p.retires)
+
+
 def _offset(field: str) -> int:
     from superfluid.abi import ffi
     return ffi.offsetof("TickPlan", field)
