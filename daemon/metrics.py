@@ -61,7 +61,7 @@ _LAYOUT: tuple[tuple[str, int], ...] = (
     ("cache_hit_tokens", 1),
     ("tick_buckets", len(_BOUNDS_NS) + 1), ("rejects_by_status", len(_STATUS)),
     ("sheds_by_reason", len(_SHED_REASON)), ("ops_by_status", len(_OP_STATUS)),
-    ("spec_proposed", 1), ("spec_accepted", 1),
+    ("spec_proposed", 1), ("spec_accepted", 1), ("partial_dropped", 1),
     # gauges (cleared by restarted())
     ("live_lanes", 1), ("cache_entries", 1), ("cache_bytes", 1),
     ("kv_blocks_used", 1), ("kv_blocks_total", 1), ("blocked_since_ns", 1),
@@ -86,7 +86,7 @@ _SHED0, _OPS0 = _AT["sheds_by_reason"], _AT["ops_by_status"]
 _LANES, _ENTRIES, _CBYTES = _AT["live_lanes"], _AT["cache_entries"], _AT["cache_bytes"]
 _KV_USED, _KV_TOTAL, _BLOCKED = _AT["kv_blocks_used"], _AT["kv_blocks_total"], _AT["blocked_since_ns"]
 _PREFILL_CHUNK, _CACHE_EVICTION = int(ShedKind.PREFILL_CHUNK), int(ShedKind.CACHE_EVICTION)
-_PROPOSED, _ACCEPTED = _AT["spec_proposed"], _AT["spec_accepted"]
+_PROPOSED, _ACCEPTED, _PARTIAL_DROPPED = _AT["spec_proposed"], _AT["spec_accepted"], _AT["partial_dropped"]
 _GATE0, _DRAFT_NS0, _PLAIN_NS0 = _AT["spec_gate_state"], _AT["spec_draft_ns_per_token"], _AT["spec_plain_ns_per_token"]
 
 
@@ -238,6 +238,10 @@ class WorkerMetrics:
                     v = b[key]
                     w[base + at] = round(v * 1e9) if v is not None and v > 0 else 0
 
+    def partial_dropped(self) -> None:
+        """A partial emit dropped: the stream queue stayed full."""
+        self._w[_PARTIAL_DROPPED] += 1
+
     def blocked(self, since_ns: int) -> None:
         """CLOCK_MONOTONIC ns since which the worker waits for the planner to
         make room in the event queue; 0 when it does not wait."""
@@ -300,6 +304,8 @@ _COUNTERS = (
     ("cache_evicted_bytes", "cache_evicted_bytes", 1, "Bytes freed by prefix-cache evictions."),
     ("spec_proposed", "spec_proposed", 1, "Draft tokens verified (LaneEmit.spec.proposed)."),
     ("spec_accepted", "spec_accepted", 1, "Draft tokens the lanes took (LaneEmit.spec.accepted)."),
+    ("partial_emits_dropped", "partial_dropped", 1, "Partial emits dropped: the stream queue stayed full (nobody "
+     "read it); the ticks' events still carry every token."),
 )
 _GAUGE_WORDS = (
     ("live_lanes", "live_lanes", "Lanes admitted and not retired."),

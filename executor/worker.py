@@ -11,14 +11,13 @@ Nothing a planner writes into the segment stops this loop (SPEC §10):
 - messages are served only for the header's session (`session_id`); an
   earlier session's plans and ops are answered StaleSession, unrun;
 - impossible queue counters are reset and reported (QueueReset);
-- everything going out waits in an outbox: a planner that stops reading
+- everything going out waits in an outbox (outbox.py): a planner that stops reading
   blocks nothing but its own replies (the heartbeat goes on, ops are served
   as room allows, `blocked_since_ns` says since when).
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import struct
 import sys
@@ -27,23 +26,19 @@ import time
 import msgpack
 
 from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, ffi, lib
-from superfluid.abi.records import OpCompletion, OpEvents, PartialEmit, QueueReset, TickEvents, TickTimings
-from superfluid.engine.plan import PlanReject, decode_plan, empty_plan, encode_bare_events_into, plan_seq_of
+from superfluid.abi.records import OpCompletion, QueueReset, TickEvents
+from superfluid.engine.plan import PlanReject, decode_plan, empty_plan, plan_seq_of
 from superfluid.executor.control import ASKED, Control
 from superfluid.executor.executor import Executor
-from superfluid.rings.queue import QueueTimeout
+from superfluid.executor.outbox import Outbox, completion_bytes
 from superfluid.rings.repair import repair_geometry, repair_identity
 from superfluid.rings.segment import parse_segment_path
 
 # An idle worker sleeps on the plan queue; ops arrive on another queue, so it
 # looks at them this often (an op's completion waits at most this long).
 IDLE_SLICE_S = 0.005
-BLOCKED_SLICE_S = 0.05  # waiting for event room: heartbeat, ops and the daemon this often
 GEOMETRY_CHECK_S = 1.0  # how often the header's layout and geometry are put back
 REPORT_S = 0.01  # how often the header's epoch, state and pid, and all four queues, are looked at
-PARTIAL_WAIT_S = 1.0  # a partial emit waits this long for room, then is dropped (counted)
-_COMPLETION = codec.CODECS["OpCompletion"].size
-_OP_EVENTS = codec.MSG_HEADER_BYTES + codec.align(codec.CODECS["OpEvents"].size)
 _QUEUES = (("plan", QueueKind.PLAN), ("op", QueueKind.OP), ("event", QueueKind.EVENT), ("stream", QueueKind.STREAM))
 _IDLE_SLICE_NS = int(IDLE_SLICE_S * 1e9)
 _monotonic = time.monotonic
@@ -51,8 +46,6 @@ _sane = lib.sf_queue_sane
 _peek_at = lib.sf_queue_peek_at
 _wait_peek = lib.sf_queue_wait_peek
 _release = lib.sf_queue_release
-_reserve_at = lib.sf_queue_reserve_at
-_publish = lib.sf_queue_publish
 _now_ns = lib.sf_monotonic_ns
 _REPORT_NS = int(REPORT_S * 1e9)
 _session_of = codec.session_of
@@ -79,10 +72,6 @@ class Stopped(Exception):
     """The daemon asked this worker to stop."""
 
 
-def completion_bytes(c: OpCompletion) -> int:
-    return _COMPLETION + codec.align(len(c.payload))
-
-
 def _op_id(payload: bytes) -> int:
     """The op_id of an op that will not run, best effort (0 when unreadable)."""
     try:
@@ -103,13 +92,9 @@ class Worker:
         self.metrics = metrics
         self.pid = os.getpid()
         self.session = 0  # the session being served (its messages' MsgHeader.session)
-        self.partial_dropped = 0
         self.stale_messages = 0  # plans and ops of earlier sessions answered stale
         self.queue_resets = 0
-        self._stalled_plan: int | None = None  # the tick whose partial emits found no room
-        self._outbox: collections.deque[tuple[str, object, int]] = collections.deque()
         self._comp_session = 0  # whose ops the pending completions answer
-        self._blocked_since = 0
         self._geometry_at = self._reported_at = 0.0
         self._due_ns = 0  # when the loop next looks at the daemon's channel, every queue and the header
         self._gauges: tuple | None = None  # what metrics.gauges was last told
@@ -121,113 +106,28 @@ class Worker:
         self._counters_mv = memoryview(ffi.buffer(ffi.addressof(h, "counters"), ffi.sizeof("WorkerCounters")))
         self._plan_view = segment.plan_queue._view
         self._op_view = segment.op_queue._view
-        self._event_view = segment.event_queue._view
         # Started by the daemon (it told us the geometry): the name and index are in
         # the path it gave, the daemon is our parent. What to put back on line 0.
         named = parse_segment_path(segment.path)
         self._identity = None if segment.config is None or named is None else (*named, os.getppid())
         self._desc = executor.desc.to_record()  # what the header's runtime description must say
-        self.slot_bytes = segment.event_queue.slot_bytes
+        self.out = Outbox(segment, epoch, metrics, self._while_blocked)
+        self._outbox = self.out.pending  # (the loop asks it "anything waiting?" many times a tick)
+        self.slot_bytes = self.out.slot_bytes
         executor.partial_sink = self._partial
         executor.event_capacity = self.slot_bytes
 
     # ------------------------------------------------------------- output
 
     def _partial(self, plan_seq: int, lane_tag: int, token: int, index: int) -> None:
-        # A planner not reading its stream must not stall the tick: wait for room
-        # once a tick, then drop (counted) without waiting.
-        wait = 0.0 if plan_seq == self._stalled_plan else PARTIAL_WAIT_S
-        try:
-            self.seg.stream_queue.send("PartialEmit", PartialEmit(plan_seq, lane_tag, token, index), timeout=wait,
-                                       session=self.session)
-        except QueueTimeout:
-            self.partial_dropped += 1
-            self._stalled_plan = plan_seq
-
-    def _emit_events(self, ev: TickEvents, session: int) -> None:
-        """The tick's events, with as many of its op completions as fit the
-        slot; the rest follow as OpEvents."""
-        comps = ev.op_completions
-        if not comps:
-            if not self._outbox:  # the common case: straight into a free slot, no outbox
-                i = _reserve_at(self._event_view)  # (this loop's alone, as the plan queue's view)
-                if i >= 0:
-                    codec.encode_into(self.seg.event_queue._slots[i], "TickEvents", ev, session=session)
-                    if _publish(self._event_view) == 0:
-                        return
-            self._outbox.append(("TickEvents", ev, session))
-            return
-        size = len(codec.encode("TickEvents", ev._replace(op_completions=())))
-        room = self.slot_bytes - size
-        keep = 0
-        for c in comps:
-            n = completion_bytes(c)
-            if n > room:
-                break
-            room -= n
-            keep += 1
-        self._outbox.append(("TickEvents", ev._replace(op_completions=comps[:keep]) if keep < len(comps) else ev,
-                             session))
-        if keep < len(comps):
-            self._emit_completions(list(comps[keep:]), session, counted=True)  # metrics.tick counted them
-
-    def _emit_completions(self, comps: list, session: int, counted: bool = False) -> None:
-        """OpEvents messages, each filling a slot; a completion too big for
-        any slot is answered Capacity instead (nothing is dropped silently)."""
-        chunk: list = []
-        room = self.slot_bytes - _OP_EVENTS
-        for c in comps:
-            n = completion_bytes(c)
-            if n > self.slot_bytes - _OP_EVENTS:
-                c = c._replace(status=int(OpStatus.Capacity), handle=0, value=0, payload=msgpack.packb(
-                    {"error": f"a completion of {len(c.payload)} bytes does not fit an events slot"}))
-                n = completion_bytes(c)
-            if n > room and chunk:
-                self._outbox.append(("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(chunk)),
-                                     session))
-                chunk, room = [], self.slot_bytes - _OP_EVENTS
-            chunk.append(c)
-            room -= n
-        if chunk:
-            self._outbox.append(("OpEvents", OpEvents(worker_epoch=self.epoch, op_completions=tuple(chunk)), session))
-        if self.metrics is not None and not counted:
-            self.metrics.ops(comps)
+        self.out.partial(self.session, plan_seq, lane_tag, token, index)
 
     def _flush_ops(self) -> None:
         if self.ex.completions:
-            self._emit_completions(self.ex._take_completions(), self._comp_session)
-
-    def _flush(self) -> None:
-        """Publish the outbox, waiting for room as long as it takes: the
-        heartbeat, ops and the daemon's channel are served meanwhile."""
-        q = self.seg.event_queue
-        while self._outbox:
-            slot = q.try_reserve()
-            if slot is None:
-                self._while_blocked()
-                try:
-                    q.wait_writable(BLOCKED_SLICE_S, spin_ns=0)
-                except QueueTimeout:
-                    pass
-                continue
-            name, record, session = self._outbox[0]
-            codec.encode_into(slot, name, record, session=session)
-            if q.try_publish():
-                self._outbox.popleft()
-            else:  # the planner moved its tail back: full again
-                self._while_blocked()
-        if self._blocked_since:
-            self._blocked_since = 0
-            self.seg.counters.blocked_since_ns = 0
-            if self.metrics is not None:
-                self.metrics.blocked(0)
+            self.out.completions(self.ex._take_completions(), self._comp_session)
 
     def _while_blocked(self) -> None:
-        if not self._blocked_since:
-            self._blocked_since = lib.sf_monotonic_ns()
-            self.seg.counters.blocked_since_ns = self._blocked_since
-            if self.metrics is not None:
-                self.metrics.blocked(self._blocked_since)
+        """The outbox waits for event room: what cannot wait goes on."""
         if self.control.stop_requested():
             raise Stopped()
         self._guard()
@@ -307,7 +207,7 @@ class Worker:
         the loop (and whenever it idles or blocks), not every plan; what
         moves them writes its own word at once too (session, stale)."""
         _LIFE_WORDS.pack_into(self._counters_mv, _LIFE_AT, _now_ns() if now_ns is None else now_ns,
-                              self._blocked_since, self.session, self.stale_messages, self.queue_resets)
+                              self.out.blocked_since, self.session, self.stale_messages, self.queue_resets)
 
     def _tick_counters(self) -> None:
         """What a tick moves, and the metrics gauges: every plan, before its
@@ -377,7 +277,7 @@ class Worker:
                 done = self.ex.op(payload, queue=True)
             pending += completion_bytes(done)
         for session, comps in stale.items():
-            self._emit_completions(comps, session)
+            self.out.completions(comps, session)
 
     # --------------------------------------------------------------- plans
 
@@ -409,9 +309,9 @@ class Worker:
         self._tick_counters()  # before the events go out: a planner that sees them sees the counters too
         if self.metrics is not None:
             self.metrics.tick(plan, ev)
-        self._emit_events(ev, session)
+        self.out.events(ev, session)
         if self._outbox:
-            self._flush()
+            self.out.flush()
 
     def _empty(self, head: tuple[int, int], session: int) -> bool:
         """A plan with no lists, answered without decoding a record or
@@ -428,14 +328,7 @@ class Worker:
         self._tick_counters()
         if self.metrics is not None:
             self.metrics.tick_empty(wall, mem)
-        i = _reserve_at(self._event_view)
-        if i >= 0:
-            encode_bare_events_into(self.seg.event_queue._slots[i], head[0], wall, mem, ex.epoch, session)
-            if _publish(self._event_view) == 0:
-                return True
-        self._outbox.append(("TickEvents", TickEvents(plan_seq=head[0], timings=TickTimings(wall, 0, 0, 0, 0), mem=mem,
-                                                      worker_epoch=ex.epoch), session))
-        self._flush()
+        self.out.bare_events(head[0], wall, mem, ex.epoch, session)
         return True
 
     def run(self) -> int:
@@ -480,7 +373,7 @@ class Worker:
                 if ex.completions and _peek_at(plan_view) < 0:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
                 if self._outbox:
-                    self._flush()  # (may wait for event room: the budget counts only the wait below)
+                    self.out.flush()  # (may wait for event room: the budget counts only the wait below)
                     start = 0
                 if busy:
                     if not start:

@@ -259,7 +259,7 @@ def test_garbage_in_op_slots_is_answered(daemon):
 
 
 # Broke at abc7def (fixed in the working tree since): a stale plan's reply carries the plan's session, 0 here
-# (executor/worker.py _plan -> _emit_events(ev, session)), and a Client takes session-0 replies as its own
+# (executor/worker.py _plan -> Outbox.events(ev, session)), and a Client takes session-0 replies as its own
 # (client/client.py _pump)
 def test_a_session_zero_plan_is_no_reply_to_this_sessions_plan(daemon):
     """A plan stamped session 0 (a planner that never began one, or a hostile

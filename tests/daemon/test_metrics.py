@@ -301,6 +301,19 @@ def test_snapshot_of_a_real_segment(segment: Any, block: WorkerMetrics) -> None:
         s.server.close()
 
 
+def test_partial_emits_dropped_on_a_full_stream_are_counted(segment: Any, block: WorkerMetrics, scraper: Scraper,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from superfluid.executor import outbox
+
+    monkeypatch.setattr(outbox, "PARTIAL_WAIT_S", 0.01)
+    out = outbox.Outbox(segment, 1, WorkerMetrics.from_fd(block.fd), lambda: None)
+    room = segment.stream_queue.n_slots
+    for i in range(room + 3):  # nobody reads the stream: the last three find no room
+        out.partial(0, 1, 5, 7, i)
+    assert len(segment.stream_queue) == room and out.partial_dropped == 3
+    assert scraper.value("superfluid_worker_partial_emits_dropped_total") == 3
+
+
 def test_open_refuses_a_foreign_or_short_block(block: WorkerMetrics) -> None:
     fd = os.memfd_create("not-metrics")
     try:

@@ -139,7 +139,7 @@ def test_an_unread_stream_stalls_a_tick_once_not_per_token(worker):
 
     from superfluid.abi import ParamFlag
     from superfluid.abi.records import SamplingParams
-    from superfluid.executor.worker import PARTIAL_WAIT_S
+    from superfluid.executor.outbox import PARTIAL_WAIT_S
 
     seg, epoch, _ = worker()
     noeos = SamplingParams(flags=int(ParamFlag.IGNORE_EOS))
@@ -201,8 +201,8 @@ def test_completions_that_overflow_a_tick_go_in_the_next_messages(seg_name):
         slot = seg.event_queue.slot_bytes
         comps = tuple(OpCompletion(op_id=i, status=0, op=1, payload=bytes([i % 251]) * 7000) for i in range(20))
         huge = OpCompletion(op_id=99, status=0, op=9, payload=b"z" * (slot + 1))
-        w._emit_events(TickEvents(plan_seq=4, worker_epoch=1, op_completions=comps + (huge,)), session=3)
-        w._flush()  # four slots: enough for the events and their overflow
+        w.out.events(TickEvents(plan_seq=4, worker_epoch=1, op_completions=comps + (huge,)), session=3)
+        w.out.flush()  # four slots: enough for the events and their overflow
         got, kinds, sessions = [], [], set()
         while (s := seg.event_queue.try_peek()) is not None:
             kind = codec.read_header(s)[0]
