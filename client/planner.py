@@ -398,7 +398,7 @@ class Planner:
         sampled = len(req.generated)  # every generated token was drawn (engine or host) at base + index
         tokens = req.prompt + req.generated
         if self.use_leases and req.seed is None and not req.no_seed:
-            req.seed = self.seeds.lease(tokens, self.tick_timeout)
+            req.seed = self.seeds.lease(tokens, self.tick_timeout, replay=sampled)
         seed = req.seed
         value = seed.value if seed else 0
         # The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).

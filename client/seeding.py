@@ -4,8 +4,8 @@ The planner remembers which whole pages it has had the worker publish (a
 lane retired with `publish_to_cache`, and on an exact_only runtime every
 long prompt, which the worker checkpoints on its own). A new admission whose
 first page is among them asks LEASE_SEED for its tokens first; the lease's
-`value` tokens are then skipped by prefill (and by decode_replay, for a
-re-admitted request). A lease dies with its worker: after a restart the
+`value` tokens are then skipped by prefill (and, on a paged runtime, by
+decode_replay for a re-admitted request). A lease dies with its worker: after a restart the
 planner forgets them all and starts from scratch, as the new worker does.
 """
 
@@ -59,9 +59,12 @@ class SeedBook:
         first = next(iter(self._walk(tokens)), None)
         return first is not None and first in self._chains
 
-    def lease(self, tokens, timeout: float | None) -> Seed | None:
-        """A lease on the longest cached prefix of `tokens`, or None."""
-        asked = list(tokens[:-1]) if self.exact_only else list(tokens)  # exact_only cannot hold the last back
+    def lease(self, tokens, timeout: float | None, replay: int = 0) -> Seed | None:
+        """A lease on the longest cached prefix of `tokens` (an admission's
+        prompt, whose last `replay` tokens decode_replay feeds), or None."""
+        # exact_only: decode feeds the last token prefill reaches and the replayed
+        # ones, which a seed's state holds as prefill fed them: lease short of them.
+        asked = list(tokens[:max(0, len(tokens) - replay - 1)]) if self.exact_only else list(tokens)
         if not asked or not self.may_share(asked):
             return None
         done = self.client.op("LEASE_SEED", timeout, tokens=asked, ttl_ticks=LEASE_TTL_TICKS, determinism_class=SPI)

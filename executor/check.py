@@ -180,6 +180,15 @@ def _seed_use(ex, a: LaneAdmit, prompt: list[int], f: str) -> SeedUse:
         raise reject(Status.RejectIllegalCombination, f"{f}.seed_handle",
                      f"seed lease {h} covers the whole prompt; an exact_only runtime cannot hold its last "
                      f"token back (lease the prompt less its last token)")
+    # A first run feeds the last token prefill reaches, and every replayed one, by
+    # decode; a cache entry holds them as prefill fed them: on exact_only, whose state
+    # tells the two apart, a seed stops short of them (a paged runtime's cells do not).
+    most = len(prompt) - a.decode_replay - 1
+    if ex.exact_only and n > most:
+        raise reject(Status.RejectIllegalCombination, f"{f}.seed_handle",
+                     f"seed lease {h} covers {n} tokens; with decode_replay {a.decode_replay} an exact_only runtime "
+                     f"feeds tokens {max(most, 0) + 1}.. by decode, which a seed's state did not (lease at most "
+                     f"{max(most, 0)} tokens)")
     return SeedUse(lease, n, n - 1 if full else n)
 
 

@@ -192,7 +192,7 @@ func (p *Planner) admit(d *draft, r *Request) (*lane, error) {
 	sampled := len(r.Generated) // every generated token was drawn at base + index
 	tokens := tokensOf(r)
 	if !p.Opts.NoLeases && r.seed == nil && !r.noSeed {
-		s, err := p.Seeds.Lease(tokens, p.Opts.TickTimeout)
+		s, err := p.Seeds.Lease(tokens, sampled, p.Opts.TickTimeout)
 		if err != nil {
 			return nil, err
 		}

@@ -74,11 +74,14 @@ func (b *SeedBook) MayShare(tokens []uint32) bool {
 	return found
 }
 
-// Lease is a lease on the longest cached prefix of tokens, or nil.
-func (b *SeedBook) Lease(tokens []uint32, timeout time.Duration) (*Seed, error) {
+// Lease is a lease on the longest cached prefix of tokens (an admission's
+// prompt, whose last replay tokens decode_replay feeds), or nil.
+func (b *SeedBook) Lease(tokens []uint32, replay int, timeout time.Duration) (*Seed, error) {
 	asked := tokens
-	if b.exactOnly && len(asked) > 0 {
-		asked = asked[:len(asked)-1] // exact_only cannot hold the last token back
+	if b.exactOnly {
+		// Decode feeds the last token prefill reaches and the replayed ones, which
+		// a seed's state holds as prefill fed them: lease short of them.
+		asked = asked[:max0(len(asked)-replay-1)]
 	}
 	if len(asked) == 0 || !b.MayShare(asked) {
 		return nil, nil
@@ -102,3 +105,10 @@ func (b *SeedBook) Lease(tokens []uint32, timeout time.Duration) (*Seed, error) 
 
 // Forget: the worker restarted, its cache and leases are gone.
 func (b *SeedBook) Forget() { b.chains = map[uint64]struct{}{} }
+
+func max0(n int) int {
+	if n < 0 {
+		return 0
+	}
+	return n
+}

@@ -199,7 +199,10 @@ extern "C" {
  *   determinism_class and a prompt that starts with those tokens, and prefills from token_offset =
  *   value; the admit ends the lease. Unused, it expires once ttl_ticks more plans are accepted
  *   (then RejectStaleSeed). NoMatch: no entry shares a whole page (exact_only: a whole key) with
- *   tokens; Capacity: the lease table is full (1024 leases by default).
+ *   tokens; Capacity: the lease table is full (1024 leases by default). On exact_only, decode
+ *   feeds the last token prefill reaches and every decode_replay one, which a seed's state holds
+ *   as prefill fed them: an admit's lease must cover at most len(prompt) - decode_replay - 1
+ *   tokens (else RejectIllegalCombination naming seed_handle); lease that many.
  * RELEASE_SEED  handle u64 > 0 (required). Ends the lease, unpins its entry. handle = it.
  *   UnknownHandle: no such lease (released, used by an admit, or swept after it expired).
  * REGISTER_GRAMMAR  kind str (required): "json_schema" | "regex" | "lark" | "gbnf" | "choice";

@@ -357,14 +357,16 @@ class Planner:
         assert done.status in (int(OpStatus.NoMatch), int(OpStatus.Capacity)), done
         return None
 
-    def usable_lease(self, prompt: list[int]) -> int | None:
+    def usable_lease(self, prompt: list[int], replay: int = 0) -> int | None:
         """A live lease (the planner sees the executor's tick count, as the
-        op's ttl says) that seeds this prompt."""
+        op's ttl says) that seeds this prompt (on exact_only, short of the
+        tokens decode feeds: the held-back one and the replayed ones)."""
         for h, (prefix, _imported) in sorted(self.leases.items(), key=lambda kv: (not kv[1][1], kv[0])):
             ls = self.ex.leases.get(h)
             if ls is None or ls.expires <= self.ex.tick_count or h in self.seeds_used:
                 continue
-            if tuple(prompt[:len(prefix)]) != prefix or (self.ex.desc.exact_only and len(prefix) == len(prompt)):
+            if tuple(prompt[:len(prefix)]) != prefix or (self.ex.desc.exact_only and
+                                                         len(prefix) > len(prompt) - replay - 1):
                 continue
             if ls.adopt and not is_bare(ls):
                 continue
@@ -450,10 +452,10 @@ class Planner:
                 m, ref = self.new_lane()
                 seed = 0
                 if self.coin(0.6, default=True):
-                    asked = m.prompt[:-1] if self.ex.desc.exact_only else m.prompt
+                    asked = m.prompt[:max(0, len(m.prompt) - m.replay - 1)] if self.ex.desc.exact_only else m.prompt
                     if asked and self.coin(0.8, default=True):
                         self.lease(asked)
-                    seed = self.usable_lease(m.prompt) or 0
+                    seed = self.usable_lease(m.prompt, m.replay) or 0
                 if seed:
                     self.seeds_used.add(seed)
                     m.seeded = len(self.leases[seed][0])

@@ -3,16 +3,17 @@ one fed by a prefill hold different state (Feed.decode), and the fake runtime
 hashes them apart. So the executor must feed every position the same way on
 every path: the prompt's last token always by decode (a first run, a replay
 after a restart, a one-token prompt decoded now or later), and a published
-entry settled (Runtime.seq_settle) before a lane continues from it."""
+entry settled (Runtime.seq_settle) before a lane continues from it, and a
+seed that would cover a token decode feeds refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from superfluid.abi import OpStatus
+from superfluid.abi import OpStatus, Status
 from superfluid.client.builder import sampling_params
-from tests.executor.conftest import SAMPLE, emit_of, emitted, put
-from tests.executor.test_seeds import exe
+from tests.executor.conftest import SAMPLE, assert_reject, emit_of, emitted, put
+from tests.executor.test_seeds import SPI, exe
 
 PROMPT = [i % 50 + 1 for i in range(40)]
 N = 8
@@ -73,3 +74,42 @@ def test_a_lane_seeded_from_a_published_lane_decodes_as_a_fresh_one(settle, monk
     assert h.status == int(OpStatus.OK) and h.value == len(turn) - 1
     got = _tokens(d, turn, seed=h.handle, value=h.value)
     assert (got == want) == settle
+
+
+def _readmit(d, again, k, *, seed: int = 0, value: int = 0):
+    """`again` re-admitted with its last k tokens replayed (a restart's way)."""
+    d.tag += 1
+    b = d.plan().admit(d.tag, put(d.ex, again), params=sampling_params(temperature=0.9, top_k=20),
+                       rng_counter_base=100 + k, decode_replay=k, sampling=SAMPLE, seed_handle=seed,
+                       determinism_class=SPI)
+    if value < len(again) - k:
+        b.prefill(d.tag, value, len(again) - k - value)
+    return b.decode(d.tag, N)
+
+
+def test_a_seed_reaching_what_a_replay_decodes_is_refused_and_one_short_of_it_is_not():
+    # A request whose prompt was published whole is re-admitted after a restart with k of
+    # its tokens replayed: its first run fed prompt[-1] (held back) and the k by decode.
+    d = _exact()
+    first = d.serve(PROMPT, n=N)
+    turn = PROMPT + first  # the entry's key: its state is a prefill of all of it
+    want = _tokens(_exact(), turn)
+    k = 3
+    again = turn + want[:k]
+    h = d.lease(turn)
+    assert h.status == int(OpStatus.OK) and h.value == len(turn)
+    r = assert_reject(d.ex, _readmit(d, again, k, seed=h.handle, value=h.value).build(),
+                      Status.RejectIllegalCombination, "admits[0].seed_handle")
+    assert f"lease at most {len(turn) - 1} tokens" in r.message
+    r = d.ex.tick(_readmit(d, again, k).build())  # the same admission unseeded
+    assert r.ok and emitted(d.ex, emit_of(r, d.tag)) == want[k:]
+    # One short of prefill's end (an entry the next turn's prompt extends): the tokens are the same.
+    d2 = _exact()
+    d2.serve(PROMPT, n=N)
+    longer = turn + [9]
+    want2 = _tokens(_exact(), longer)
+    h = d2.lease(longer)
+    assert h.status == int(OpStatus.OK) and h.value == len(turn) == len(longer) - 1
+    r = d2.ex.tick(_readmit(d2, longer + want2[:k], k, seed=h.handle, value=h.value).build())
+    assert r.ok, r.message
+    assert emitted(d2.ex, emit_of(r, d2.tag)) == want2[k:]

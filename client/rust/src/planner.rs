@@ -387,7 +387,7 @@ impl Planner {
         let sampled = req.generated.len(); // every generated token was drawn at base + index
         let tokens = [req.spec.prompt.as_slice(), req.generated.as_slice()].concat();
         if self.opts.use_leases && req.seed.is_none() && !req.no_seed {
-            let seed = self.seeds.lease(&mut self.conn, &tokens, self.opts.tick_timeout)?;
+            let seed = self.seeds.lease(&mut self.conn, &tokens, sampled, self.opts.tick_timeout)?;
             self.requests[id].seed = seed;
         }
         // The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).

@@ -61,10 +61,13 @@ impl SeedBook {
         tokens.len() >= self.page && self.chains.contains(&self.walk(&tokens[..self.page])[0])
     }
 
-    /// A lease on the longest cached prefix of `tokens`, or None.
-    pub fn lease(&mut self, c: &mut Connection, tokens: &[u32], timeout: Duration) -> Result<Option<Seed>, Error> {
-        // exact_only cannot hold the last token back: lease one short.
-        let asked = if self.exact_only { &tokens[..tokens.len().saturating_sub(1)] } else { tokens };
+    /// A lease on the longest cached prefix of `tokens` (an admission's
+    /// prompt, whose last `replay` tokens decode_replay feeds), or None.
+    pub fn lease(&mut self, c: &mut Connection, tokens: &[u32], replay: usize, timeout: Duration)
+                 -> Result<Option<Seed>, Error> {
+        // exact_only: decode feeds the last token prefill reaches and the replayed
+        // ones, which a seed's state holds as prefill fed them: lease short of them.
+        let asked = if self.exact_only { &tokens[..tokens.len().saturating_sub(replay + 1)] } else { tokens };
         if asked.is_empty() || !self.may_share(asked) {
             return Ok(None);
         }
