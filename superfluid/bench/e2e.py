@@ -11,9 +11,10 @@ order swapped every repeat, so drift in the machine's load hits both alike),
 after an untimed warm-up (128 requests: the batch fills, so its shapes are
 paid for before the first timed run); every run starts from an empty prefix
 cache. Each path reports its median run; `daemon_to_inproc_paired` is
-the median of each repeat's back-to-back ratio. The default (512 requests, 5
-repeats) is seconds a run, over 10 s a path, on a 2-core VM; --quick is a
-smoke test, not a number.
+the median of each repeat's back-to-back ratio. Repeats go on past `repeats`
+(up to 4x) until each path has `min_seconds` of timed runs (default 10: on a
+fast machine 512 requests take under 2 s a run); --quick is a smoke test,
+not a number.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _daemon(model: str, worker_args: list[str]):
 
 
 def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int,
-           worker_args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+           worker_args: list[str], min_seconds: float = 0.0) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
     """(daemon, in-process) median runs and each repeat's paired ratio. Both
     paths live at once and take turns, the order swapped every repeat, so
     drift in the machine's load hits both alike; each first runs `warmup`
@@ -101,9 +102,12 @@ def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: i
         for c in paths.values():
             _drive(c, reqs[:warmup], budget=budget, grant=grant)
         runs: dict[str, list[dict[str, Any]]] = {"daemon": [], "inproc": []}
-        for r in range(max(1, repeats)):
+        r = 0
+        while r < max(1, repeats) or (r < 4 * max(1, repeats) and
+                                      min(sum(x["wall_s"] for x in rs) for rs in runs.values()) < min_seconds):
             for name in (("inproc", "daemon") if r % 2 == 0 else ("daemon", "inproc")):
                 runs[name].append(_drive(paths[name], reqs, budget=budget, grant=grant))
+            r += 1
     finally:
         client.close()
         close()
@@ -152,7 +156,7 @@ def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
 
 def run(*, requests: int = 512, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
         hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 128,
-        worker_args: list[str] | None = None) -> dict[str, Any]:
+        worker_args: list[str] | None = None, min_seconds: float = 10.0) -> dict[str, Any]:
     from superfluid.engine.config import load_config
     from superfluid.engine.tiny import default_model_dir
 
@@ -161,7 +165,8 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     daemon, inproc, paired = _paths(model, reqs, budget=budget, grant=grant, repeats=repeats,
-                                    warmup=min(warmup, requests), worker_args=list(worker_args or []))
+                                    warmup=min(warmup, requests), worker_args=list(worker_args or []),
+                                    min_seconds=min_seconds)
     load_after = os.getloadavg()
     hf = _hf(model, reqs[:max(1, min(hf_requests, requests))], hf_batch) if hf_requests else None
     return {
@@ -181,7 +186,8 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
         "runs_tok_s": {"daemon": daemon["runs_tok_s"], "inproc": inproc["runs_tok_s"]},
         "runs_wall_s": {"daemon": daemon["runs_wall_s"], "inproc": inproc["runs_wall_s"]},
         "workload": {"requests": requests, "tokens": daemon["tokens"], "prefill_token_budget": budget,
-                     "decode_grant": grant, "repeats": repeats, "warmup_requests": min(warmup, requests),
+                     "decode_grant": grant, "repeats": len(paired), "min_seconds": min_seconds,
+                     "warmup_requests": min(warmup, requests),
                      "hf_requests": min(hf_requests, requests), "hf_batch": hf_batch, "model": model,
                      "sampling": "greedy", "worker_args": list(worker_args or [])},
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
@@ -193,7 +199,9 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
 def _main(args: argparse.Namespace) -> int:
     if args.quick:
         args.requests, args.repeats, args.hf_requests = args.requests or 8, args.repeats or 1, 4
+        args.min_seconds = 0.0 if args.min_seconds is None else args.min_seconds
     res = run(requests=args.requests or 512, model=args.model, repeats=args.repeats or 5,
+              min_seconds=10.0 if args.min_seconds is None else args.min_seconds,
               hf_requests=args.hf_requests, worker_args=args.worker_args.split() if args.worker_args else None)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -213,6 +221,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--requests", type=int, default=None, help="requests a run (default 512; --quick: 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per path (default 5; --quick: 1)")
+    p.add_argument("--min-seconds", type=float, default=None,
+                   help="more runs (up to 4x --repeats) until each path has this long timed (default 10; --quick: 0)")
     p.add_argument("--hf-requests", type=int, default=32,
                    help="the first N requests also go through HF generate (default 32, 0 = skip HF)")
     p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")
