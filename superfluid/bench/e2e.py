@@ -12,7 +12,7 @@ after an untimed warm-up (128 requests: the batch fills, so its shapes are
 paid for before the first timed run); every run starts from an empty prefix
 cache. Each path reports its median run; `daemon_to_inproc_paired` is
 the median of each repeat's back-to-back ratio. Repeats go on past `repeats`
-(up to 4x) until each path has `min_seconds` of timed runs (default 10: on a
+(in pairs, up to 4x) until each path has `min_seconds` of timed runs (default 10: on a
 fast machine 512 requests take under 2 s a run); --quick is a smoke test,
 not a number.
 """
@@ -102,9 +102,14 @@ def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: i
         for c in paths.values():
             _drive(c, reqs[:warmup], budget=budget, grant=grant)
         runs: dict[str, list[dict[str, Any]]] = {"daemon": [], "inproc": []}
-        r = 0
-        while r < max(1, repeats) or (r < 4 * max(1, repeats) and
-                                      min(sum(x["wall_s"] for x in rs) for rs in runs.values()) < min_seconds):
+        r, least = 0, max(1, repeats)
+
+        def short() -> bool:  # more runs wanted: too little timed, or an extra pair half done
+            return (r - least) % 2 == 1 or min(sum(x["wall_s"] for x in rs) for rs in runs.values()) < min_seconds
+
+        # Extra repeats come in pairs, one of each order, so they do not tip which path goes first.
+        cap = least + 2 * (3 * least // 2)
+        while r < least or (r < cap and short()):
             for name in (("inproc", "daemon") if r % 2 == 0 else ("daemon", "inproc")):
                 runs[name].append(_drive(paths[name], reqs, budget=budget, grant=grant))
             r += 1
@@ -222,7 +227,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests a run (default 512; --quick: 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per path (default 5; --quick: 1)")
     p.add_argument("--min-seconds", type=float, default=None,
-                   help="more runs (up to 4x --repeats) until each path has this long timed (default 10; --quick: 0)")
+                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed (default 10; --quick: 0)")
     p.add_argument("--hf-requests", type=int, default=32,
                    help="the first N requests also go through HF generate (default 32, 0 = skip HF)")
     p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")
