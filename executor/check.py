@@ -176,19 +176,17 @@ def _seed_use(ex, a: LaneAdmit, prompt: list[int], f: str) -> SeedUse:
         raise reject(Status.RejectStaleSeed, f"{f}.seed_handle",
                      f"the sequence seed lease {h} imported is no longer bare (another lease or admit uses it)")
     full = n == len(prompt)
-    if full and ex.exact_only:
-        raise reject(Status.RejectIllegalCombination, f"{f}.seed_handle",
-                     f"seed lease {h} covers the whole prompt; an exact_only runtime cannot hold its last "
-                     f"token back (lease the prompt less its last token)")
     # A first run feeds the last token prefill reaches, and every replayed one, by
     # decode; a cache entry holds them as prefill fed them: on exact_only, whose state
     # tells the two apart, a seed stops short of them (a paged runtime's cells do not).
+    # (decode_replay < len(prompt) was checked: most >= 0.)
     most = len(prompt) - a.decode_replay - 1
     if ex.exact_only and n > most:
+        what = "the whole prompt" if full else f"{n} tokens"
         raise reject(Status.RejectIllegalCombination, f"{f}.seed_handle",
-                     f"seed lease {h} covers {n} tokens; with decode_replay {a.decode_replay} an exact_only runtime "
-                     f"feeds tokens {max(most, 0) + 1}.. by decode, which a seed's state did not (lease at most "
-                     f"{max(most, 0)} tokens)")
+                     f"seed lease {h} covers {what}; with decode_replay {a.decode_replay} an exact_only runtime "
+                     f"feeds tokens {most + 1}.. by decode, which a seed's state did not (lease at most {most} "
+                     f"tokens)")
     return SeedUse(lease, n, n - 1 if full else n)
 
 
