@@ -9,16 +9,21 @@ import shutil
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # "ci" (the default): the same examples every run, so a red CI is the change's
 # doing, not the draw's. "explore" (HYPOTHESIS_PROFILE=explore make test): fresh
 # random examples each run, to look for what the fixed ones miss.
+# Neither has the explain phase: it traces every line of a failing example again,
+# which turned failures of the long stateful tests into 300 s timeouts, not reports.
+_PHASES = [p for p in Phase if p != Phase.explain]
 settings.register_profile(
-    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+    phases=_PHASES,
 )
 settings.register_profile(
-    "explore", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+    "explore", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False,
+    phases=_PHASES,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -141,7 +141,8 @@ def mutate(p: Planner, b: PlanBuilder) -> tuple[str, Any, Status | None]:
             b.admits[i] = a._replace(prompt=a.prompt._replace(ring_id=p.pick([0, 2, 3, 4, 77])))
             return kind, b.build(), BOUNDS
         if kind == "long_prompt":
-            b.admits[i] = a._replace(prompt=put(ex, [1] * (ex.desc.max_seq_len + p.i(1, 5))))
+            # (unseeded: the seed's tokens are not this prompt's, a second mistake checked first)
+            b.admits[i] = a._replace(prompt=put(ex, [1] * (ex.desc.max_seq_len + p.i(1, 5))), seed_handle=0)
             return kind, b.build(), BUDGET
         if kind == "oov_prompt":
             b.admits[i] = a._replace(prompt=put(ex, [1, vocab + p.i(0, 100), 2]), decode_replay=0)

@@ -16,7 +16,7 @@ from collections import Counter
 
 import msgpack
 
-from hypothesis import HealthCheck, Phase, settings, strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -210,11 +210,8 @@ def test_tick_machine():
             break
         for cfg in range(len(CONFIGS)):
             machine = type(f"TickMachine{cfg}", (TickMachine,), {"cfg": cfg})
-            # No explain phase: it traces every line of a failing run again, which made a
-            # failure found here a 300 s timeout instead of a report.
             run_state_machine_as_test(machine, settings=settings(
                 max_examples=25, stateful_step_count=40, deadline=None, derandomize=not extra, database=None,
-                phases=[p for p in Phase if p != Phase.explain],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     for what in MUST_MEET:
         assert COVERAGE[what] > 0, (what, COVERAGE)
