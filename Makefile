@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 
 .PHONY: setup test demo fuzz bench gpu-check clean
 
-$(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/_build.py kernels/sf_cpu.c kernels/sf_gemm.c kernels/sf_pool.c kernels/sf_mask.c kernels/sf_cpu.h kernels/sf_internal.h kernels/_build_cpu.py
+$(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/sf_codec.c abi/_build.py kernels/sf_cpu.c kernels/sf_gemm.c kernels/sf_pool.c kernels/sf_mask.c kernels/sf_cpu.h kernels/sf_internal.h kernels/_build_cpu.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
@@ -35,4 +35,4 @@ gpu-check: $(STAMP)
 	$(PY) -m superfluid.bench.gpu_check --out gpu-check.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info abi/_native*.so
+	rm -rf $(VENV) build *.egg-info abi/_native*.so abi/_codec*.so

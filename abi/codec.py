@@ -6,10 +6,16 @@ inside the record (and inside arena records) are `{offset, count}` into the
 arena. Decoding trusts nothing: sizes, kinds and every span are checked and a
 failure is a CodecError carrying the status (RejectBounds) and the field.
 
-Speed: each record gets a precompiled `struct.Struct` (its C layout, padding
-included, read from cffi) and a generated pair of functions that turn the
-flat field tuple into the nested record and back, so a message is one
-pack_into / unpack_from plus one call per non-empty span.
+Speed: encode_into and decode go through `superfluid.abi._codec`
+(abi/sf_codec.c), which walks the same layouts in C. Where it meets anything
+it does not take (a value out of range, a span that breaks a rule, a type it
+does not know) it answers None and the Python path below runs, so errors and
+rarer inputs are this module's; tests/abi/test_codec_native.py checks the two
+give the same bytes and records. The Python path: each record gets a
+precompiled `struct.Struct` (its C layout, padding included, read from cffi)
+and a generated pair of functions that turn the flat field tuple into the
+nested record and back, so a message is one pack_into / unpack_from plus one
+call per non-empty span.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from typing import Any, Callable
 
 from superfluid.abi import ABI_VERSION, ARENA_ALIGN, Status, ffi
 from superfluid.abi.records import CLASSES, LAYOUTS, TOP_LEVEL, is_hidden
+
+try:
+    from superfluid.abi import _codec as _native
+except ImportError:  # an install that did not build it: the Python path alone, slower
+    _native = None
 
 _HDR = struct.Struct("<IIQQ")
 _HDR3 = struct.Struct("<IIQ")  # the header less its session
@@ -114,6 +125,8 @@ class RecordCodec:
         # The message: header, record and the padding up to the arena, in one pack.
         self.message = struct.Struct("<IIQQ" + body + (f"{pad}x" if pad else ""))
         self._many: dict[int, struct.Struct] = {}
+        self.index = -1  # its number in sf_codec.c's schema (-1: no C fast path)
+        self.kind = TOP_LEVEL.get(name)  # the message kind that carries it, for top-level records
         self.unflatten: Callable[[tuple, memoryview, str], Any]
         self.flatten: Callable[[Any, bytearray, str], tuple]
         # For records with no span at any depth (every row type but OpCompletion):
@@ -318,6 +331,50 @@ for _name in CLASSES:
         _gen(_name)
 
 
+# ------------------------------------------------------------ the C schema
+
+# Field kinds as sf_codec.c numbers them.
+_K_SCALAR, _K_STRUCT, _K_ARRAY, _K_CHARS, _K_BYTES, _K_ROWS = range(6)
+
+
+def _schema() -> tuple[tuple, dict[str, int]]:
+    """Every record's layout for sf_codec.c: (cls, size, has_struct_size,
+    fields), each field (kind, offset, struct code, length, record index),
+    with the offsets cffi reads from the compiled header."""
+    names = sorted(CODECS)
+    index = {n: i for i, n in enumerate(names)}
+    out = []
+    for n in names:
+        c = CODECS[n]
+        cfields = dict(ffi.typeof(n).fields)
+        fields = []
+        for f in LAYOUTS[n]:
+            cf = cfields[f.name]
+            t = cf.type
+            if f.kind == "scalar":
+                fields.append((_K_SCALAR, cf.offset, _PRIM[t.cname], 0, 0))
+            elif f.kind == "struct":
+                fields.append((_K_STRUCT, cf.offset, "B", 0, index[f.sub]))
+            elif f.kind == "array":
+                fields.append((_K_ARRAY, cf.offset, _PRIM[t.item.cname], f.length, 0))
+            elif f.kind == "chars":
+                fields.append((_K_CHARS, cf.offset, "B", f.length, 0))
+            elif f.sub is bytes:
+                fields.append((_K_BYTES, cf.offset, "B", 0, 0))
+            else:
+                fields.append((_K_ROWS, cf.offset, "B", 0, index[f.sub]))
+        out.append((c.cls, c.size, c.has_struct_size, tuple(fields)))
+    return tuple(out), index
+
+
+if _native is not None:
+    _schema_rows, _index = _schema()
+    _native.setup(_schema_rows)
+    for _name, _i in _index.items():
+        CODECS[_name].index = _i
+    _native_encode_into, _native_decode = _native.encode_into, _native.decode
+
+
 # ------------------------------------------------------------------ encode
 
 
@@ -350,6 +407,17 @@ def _flatten(c: RecordCodec, record: Any) -> tuple[tuple, bytearray]:
 def encode_into(buf, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
     """Write `record` (struct `name`) with its arena into the writable buffer
     `buf`, from offset 0, stamped with `session`. Returns the bytes written."""
+    c = CODECS[name]
+    k = c.kind if kind is None else kind
+    if c.index >= 0 and k is not None:
+        n = _native_encode_into(buf, c.index, record, k, session)
+        if n is not None:
+            return n
+    return encode_into_py(buf, name, record, kind, session)
+
+
+def encode_into_py(buf, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
+    """encode_into without the C fast path (what it falls back to)."""
     c = CODECS[name]
     flat, arena = _flatten(c, record)
     start = c.message.size
@@ -420,6 +488,34 @@ def set_session(buf, session: int) -> None:
 
 def decode(buf, name: str, kind: int | None = None) -> Any:
     """The record `name` of a slot message, with every span read."""
+    c = CODECS[name]
+    k = c.kind if kind is None else kind
+    if c.index >= 0 and k is not None:
+        rec = _native_decode(buf, c.index, k)
+        if rec is not None:
+            return rec
+    return decode_py(buf, name, kind)
+
+
+def fast_decoder(name: str) -> Callable[[Any], Any]:
+    """buf -> the record `name` of a well-formed message of its kind, or
+    None for anything else (another kind, a malformed one: decode says
+    what): the C path alone, for a reader's common message."""
+    c = CODECS[name]
+    if c.index < 0 or c.kind is None:
+        def slow(buf):
+            try:
+                return decode_py(buf, name)
+            except CodecError:
+                return None
+        return slow
+    index, kind = c.index, c.kind
+    return lambda buf: _native_decode(buf, index, kind)
+
+
+def decode_py(buf, name: str, kind: int | None = None) -> Any:
+    """decode without the C fast path (what it falls back to, and what
+    raises the CodecError naming the field)."""
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.itemsize != 1:
         mv = mv.cast("B")

@@ -10,6 +10,7 @@ check against state without re-validating the encoding.
 from __future__ import annotations
 
 import math
+from math import isfinite as _isfinite
 import struct
 from typing import Any
 
@@ -90,10 +91,38 @@ def check_plan(plan: TickPlan) -> None:
     if plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:
         raise _illegal("TickPlan.evictable_cache_classes",
                        f"unknown bits {plan.evictable_cache_classes & ~CACHE_CLASSES_ALL:#x}")
-    if not (plan.admits or plan.prefills or plan.retires):
+    admits, prefills, retires = plan.admits, plan.prefills, plan.retires
+    if not (admits or prefills or retires):
         if len(plan.decodes) < 2 and len(plan.commits) < 2:
             return  # nothing below can fail: the common decode-only tick
-    for i, a in enumerate(plan.admits):
+    # One pass that only asks whether anything is wrong (this runs every tick, right
+    # after the model has been through the caches); the passes that say what and
+    # where run only then, in the order the checks are listed.
+    for a in admits:
+        p = a.params
+        # The sum is finite iff each term is: a decoded f32 is below 3.5e38, so six
+        # cannot overflow (a larger Python float in process only takes the long way).
+        if (not a.lane_tag or a.sampling not in _SAMPLING or a.determinism_class not in _DETERMINISM
+                or a.want_logprobs > MAX_TOP_LOGPROBS or p.flags & ~PARAM_FLAGS_ALL or p.top_p < 0
+                or not 0 <= p.min_p <= 1 or p.repeat_penalty < 0
+                or not _isfinite(p.temperature + p.top_p + p.min_p + p.repeat_penalty + p.presence_penalty
+                                 + p.freq_penalty)):
+            _check_admits(admits)
+            break
+    for p in prefills:
+        if p.token_offset + p.token_count > U32_MAX:
+            _check_prefills(prefills)
+    for r in retires:
+        if r.publish_to_cache > 1:
+            _check_retires(retires)
+    for field in ("admits", "prefills", "decodes", "commits", "retires"):
+        items = getattr(plan, field)
+        if len(items) > 1 and len({it.lane_tag for it in items}) != len(items):
+            _no_duplicates(items, field)
+
+
+def _check_admits(admits) -> None:
+    for i, a in enumerate(admits):
         f = f"admits[{i}]"
         if a.lane_tag == 0:
             raise _illegal(f"{f}.lane_tag", "lane tag 0 is reserved (it names the cache in shed entries)")
@@ -104,16 +133,18 @@ def check_plan(plan: TickPlan) -> None:
         if a.want_logprobs > MAX_TOP_LOGPROBS:
             raise _bounds(f"{f}.want_logprobs", f"{a.want_logprobs} > MAX_TOP_LOGPROBS ({MAX_TOP_LOGPROBS})")
         _check_params(a.params, f"{f}.params")
-    for i, p in enumerate(plan.prefills):
+
+
+def _check_prefills(prefills) -> None:
+    for i, p in enumerate(prefills):
         if p.token_offset + p.token_count > U32_MAX:
             raise _bounds(f"prefills[{i}].token_count", "token_offset + token_count overflows u32")
-    for i, r in enumerate(plan.retires):
+
+
+def _check_retires(retires) -> None:
+    for i, r in enumerate(retires):
         if r.publish_to_cache > 1:
             raise _illegal(f"retires[{i}].publish_to_cache", f"{r.publish_to_cache} is not 0 or 1")
-    for field in ("admits", "prefills", "decodes", "commits", "retires"):
-        items = getattr(plan, field)
-        if len(items) > 1 and len({it.lane_tag for it in items}) != len(items):
-            _no_duplicates(items, field)
 
 
 def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
