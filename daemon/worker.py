@@ -160,8 +160,31 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="host memory for prefixes evicted from the pool, 0 = none (default 1 GiB)")
     p.add_argument("--max-leases", type=_at_least(1), default=1024, help="seed leases at once (default 1024)")
     p.add_argument("--threads", type=_at_least(0), default=0,
-                   help="threads per worker (default: torch's choice), for the CPU kernels and torch. Keep "
-                        "workers x threads at or under the free cores")
+                   help="threads per worker (default: torch's choice): a transformer on the CPU runs our "
+                        "kernels on them and torch's own ops on one; else torch's. Keep workers x threads at or "
+                        "under the free cores")
+
+
+def thread_layout(args: argparse.Namespace) -> None:
+    """A transformer on our CPU kernels runs them on --threads (default:
+    torch's count) and torch's own ops on one (kernels/cpu.own_threads says
+    why); the fake, a Mamba2 model, a GPU and the pure-torch path
+    (SUPERFLUID_CPU_KERNELS=0) keep torch's count, --threads when given."""
+    if args.fake and not args.threads:
+        return
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from superfluid.kernels.backend import cpu_kernels_in_use
+
+    if args.fake or not cpu_kernels_in_use(args.backend, device="cuda" if torch.cuda.is_available() else "cpu"):
+        return
+    from superfluid.engine.tiny import default_model_dir
+    from superfluid.kernels import cpu
+
+    if model_type(args.model or str(default_model_dir())) != MAMBA2:
+        cpu.own_threads()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         from superfluid.daemon.metrics import WorkerMetrics
 
         metrics = WorkerMetrics.from_fd(args.metrics_fd)
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    thread_layout(args)
     try:
         runtime = build_runtime(args)
     except Exception as e:  # any load failure: the daemon logs it and counts it as a crash

@@ -38,6 +38,9 @@ class Backend:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return _linear(x, w, b, invariant=self.invariant)
 
+    def idle(self) -> None:
+        """Nothing to run for a while: threads of the backend's own may sleep."""
+
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_b: torch.Tensor | None, down: torch.Tensor,
             down_b: torch.Tensor | None) -> torch.Tensor:
         if self.invariant and type(self).swiglu is Backend.swiglu:
@@ -94,6 +97,9 @@ class CpuBackend(Backend):
     def layout(self, feeds, page, q_per_kv, device):
         return self.cpu.step_layout(feeds, page)
 
+    def idle(self) -> None:
+        self.cpu.park()
+
 
 class TritonBackend(Backend):
     name = "triton"
@@ -139,14 +145,20 @@ def _mask_columns(masks) -> tuple:
     return masks.bits, (None if masks.rows is None else list(masks.rows))
 
 
+def cpu_kernels_in_use(name: str, invariant: bool = True, device: str | torch.device = "cpu") -> bool:
+    """Whether get_backend(name, invariant, device) runs our C kernels."""
+    if name != "torch" or not invariant or torch.device(device).type != "cpu":
+        return False
+    if os.environ.get("SUPERFLUID_CPU_KERNELS", "1") == "0":
+        return False
+    from superfluid.kernels import cpu
+
+    return cpu.available()
+
+
 def get_backend(name: str, invariant: bool = True, device: str | torch.device = "cpu") -> Backend:
     if name == "torch":
-        if invariant and torch.device(device).type == "cpu" and os.environ.get("SUPERFLUID_CPU_KERNELS", "1") != "0":
-            from superfluid.kernels import cpu
-
-            if cpu.available():
-                return CpuBackend()
-        return Backend(invariant)
+        return CpuBackend() if cpu_kernels_in_use(name, invariant, device) else Backend(invariant)
     if name == "triton":
         return TritonBackend(invariant)
     raise ValueError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}")

@@ -55,6 +55,35 @@ def threads() -> int:
     return _threads_set or torch.get_num_threads()
 
 
+def park() -> None:
+    """Nothing to run until further notice: the kernels' helper threads
+    sleep now instead of spinning ~0.5 ms for a next job (a worker between
+    ticks: the spin took the core its planner needed). The next kernel
+    wakes them."""
+    if lib is not None:
+        lib.sf_pool_park()
+
+
+def own_threads(n: int | None = None) -> tuple[int, int | None]:
+    """The thread layout of a process that serves from these kernels: they
+    run on `n` threads (default: torch's count now), torch's own ops on one.
+    At torch's default the two pools fight: torch's OpenMP threads spin after
+    every region of the small ops between kernels, taking a core from the
+    kernels' helpers and from the planner; on 2 cores the tiny model's
+    ticks in bench e2e ran 1.5x slower. Returns the layout before, for
+    restore_threads."""
+    before = (torch.get_num_threads(), _threads_set)
+    set_threads(n or before[0])
+    torch.set_num_threads(1)
+    return before
+
+
+def restore_threads(before: tuple[int, int | None]) -> None:
+    """Undo own_threads."""
+    torch.set_num_threads(before[0])
+    set_threads(before[1])
+
+
 _threads = threads
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from superfluid.daemon.worker import thread_layout
+
 
 def _workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(seed)
@@ -94,8 +96,37 @@ def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: i
     from superfluid.client.local import LocalClient
     from superfluid.engine import load
     from superfluid.executor import Executor
+    from superfluid.kernels import cpu
 
-    local = LocalClient(Executor(load(model, "torch")))
+    # The worker's thread layout here too, so the two paths differ in the process split alone.
+    before = (torch.get_num_threads(), cpu._threads_set)
+    thread_layout(_layout_args(model, worker_args))
+    try:
+        return _both(model, reqs, budget=budget, grant=grant, repeats=repeats, warmup=warmup,
+                     worker_args=worker_args, min_seconds=min_seconds,
+                     local=LocalClient(Executor(load(model, _flag(worker_args, "--backend", "torch")))))
+    finally:
+        cpu.restore_threads(before)
+
+
+def _flag(args: list[str], name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args[:-1] else default
+
+
+def _layout_args(model: str, worker_args: list[str]) -> argparse.Namespace:
+    """What thread_layout reads of a worker's arguments."""
+    return argparse.Namespace(fake="--fake" in worker_args, model=model, backend=_flag(worker_args, "--backend", "torch"),
+                              threads=int(_flag(worker_args, "--threads", "0")))
+
+
+def threads_now() -> dict[str, int]:
+    from superfluid.kernels import cpu
+
+    return {"torch": torch.get_num_threads(), "kernels": cpu.threads()}
+
+
+def _both(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int, worker_args: list[str],
+          min_seconds: float, local) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
     client, close = _daemon(model, worker_args)
     try:
         paths = {"daemon": client, "inproc": local}
@@ -125,6 +156,7 @@ def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: i
         out[name] = med
     paired = [d["tok_s"] / i["tok_s"] for d, i in zip(runs["daemon"], runs["inproc"])]
     out["daemon"]["same_as_inproc"] = all(d["outputs"] == i["outputs"] for d, i in zip(runs["daemon"], runs["inproc"]))
+    out["inproc"]["threads"] = threads_now()
     return out["daemon"], out["inproc"], paired
 
 
@@ -187,6 +219,8 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
         "inproc_ttft_ms": {"p50": _pct(inproc["ttft"], 50), "p99": _pct(inproc["ttft"], 99)},
         "hf_ttft_ms": {"p50": _pct(hf["ttft"], 50), "p99": _pct(hf["ttft"], 99)} if hf else None,
         "same_tokens_daemon_vs_inproc": daemon["same_as_inproc"],
+        # Both paths' (the worker's own layout: daemon/worker.py thread_layout); HF runs at torch's count.
+        "threads": inproc["threads"], "hf_threads": torch.get_num_threads(),
         "same_tokens_every_run": daemon["same_every_run"] and inproc["same_every_run"],
         "runs_tok_s": {"daemon": daemon["runs_tok_s"], "inproc": inproc["runs_tok_s"]},
         "runs_wall_s": {"daemon": daemon["runs_wall_s"], "inproc": inproc["runs_wall_s"]},
