@@ -47,6 +47,8 @@ _SIGNAL_SLICE_S = 0.1  # a futex wait returns to Python this often (Ctrl-C)
 _LIVENESS_SLICE_S = 0.5  # a long wait looks at the worker's pid this often
 _GONE_STATES = frozenset((WorkerState.STOPPED, WorkerState.DEAD, WorkerState.GAVE_UP))
 _NOTICES = frozenset((MsgKind.WORKER, MsgKind.RESET))
+_decode_events = codec.fast_decoder("TickEvents")
+_session_of = codec.session_of
 
 
 class ClientError(Exception):
@@ -328,7 +330,10 @@ class Client:
             raise ValueError(f"plan_seq {seq}: above SF_PLAN_SEQ_MAX ({PLAN_SEQ_MAX}); connect again for a new session")
         if seq != record.plan_seq:
             record = record._replace(plan_seq=seq)
-        slot = self._wait_slot(self.seg.plan_queue, timeout, write=True)
+        q = self.seg.plan_queue
+        slot = q.try_reserve()  # the worker keeps up: a free slot, no wait (check_worker just looked)
+        if slot is None:
+            slot = self._wait_slot(q, timeout, write=True)
         codec.encode_into(slot, "TickPlan", record, session=self.session)  # a failure publishes nothing
         self.seg.plan_queue.publish()
         self._next_seq = seq + 1
@@ -369,6 +374,12 @@ class Client:
 
     def _read(self, slot) -> None:
         """File one message (the slot is released by the caller)."""
+        ev = _decode_events(slot)  # the common message first, in one call (None: anything else)
+        if ev is not None and _session_of(slot) == self.session and ev.worker_epoch == self.epoch:
+            if ev.op_completions:
+                self._file_completions(ev.op_completions)
+            self._file_events(ev)
+            return
         try:
             kind = codec.read_header(slot)[0]
             session = codec.session_of(slot)

@@ -276,5 +276,10 @@ class Runtime(abc.ABC):
         m = self.mem_counters()
         return m.allocated_bytes // m.cells_total if m.cells_total else 0
 
+    def idle(self) -> None:
+        """Nothing comes for the runtime until the executor's next plan (a
+        tick is over): a runtime with threads of its own lets them sleep now,
+        so their spinning does not take the core the planner needs."""
+
     def close(self) -> None:
         """Release what the runtime holds (memory, threads)."""

@@ -307,6 +307,9 @@ class TransformerRuntime(Runtime):
     def is_eos(self, token: int) -> bool:
         return token in self._vocab.eos
 
+    def idle(self) -> None:
+        self.model.backend.idle()
+
     def close(self) -> None:
         self.seqs.clear()
         if self._mirrors:

@@ -25,6 +25,8 @@ typedef struct {
 
 int sf_cpu_isa(void);
 void sf_cpu_force_isa(int isa);
+/* The pool's helpers sleep now rather than spin for a next job (sf_pool.c). */
+void sf_pool_park(void);
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads);
 int sf_rmsnorm(const float *x, long ldx, int n, int d, const float *w, float eps, float *y, long ldy,

@@ -47,6 +47,7 @@ static struct {
     _Atomic uint64_t word;
     _Atomic uint32_t gen; /* the futex helpers sleep on */
     _Atomic int sleepers;
+    _Atomic int park; /* set by sf_pool_park: spinning helpers sleep now; the next job clears it */
     _Atomic long done;
     task_fn fn;
     const void *ctx;
@@ -87,7 +88,7 @@ static void *helper_main(void *arg) {
         uint32_t g;
         int spins = 0;
         while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
-            if (++spins < SPIN_WAIT) {
+            if (++spins < SPIN_WAIT && !atomic_load_explicit(&P.park, memory_order_relaxed)) {
                 cpu_relax();
                 continue;
             }
@@ -146,6 +147,7 @@ void sf_parallel(task_fn fn, const void *ctx, long ntasks, int nthreads) {
     P.csr = _mm_getcsr();
 #endif
     atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.park, 0, memory_order_relaxed); /* (published by the gen store below) */
     uint64_t w = ((uint64_t)(gen & 0xffff) << 48) | ((uint64_t)(nthreads - 1) << 42) | ((uint64_t)ntasks << 21);
     atomic_store_explicit(&P.word, w, memory_order_release);
     atomic_store_explicit(&P.gen, gen, memory_order_seq_cst); /* ordered before the sleepers load */
@@ -163,3 +165,9 @@ void sf_parallel(task_fn fn, const void *ctx, long ntasks, int nthreads) {
     }
     pthread_mutex_unlock(&P.job);
 }
+
+/* Nothing to run for a while (a worker between ticks, waiting for its next
+ * plan): helpers spinning for a next job go to sleep now instead of after
+ * SPIN_WAIT, so they do not take a core from the planner. The next job wakes
+ * them (its caller runs tasks meanwhile), and spinning resumes from then. */
+void sf_pool_park(void) { atomic_store_explicit(&P.park, 1, memory_order_relaxed); }
