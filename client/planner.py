@@ -127,6 +127,7 @@ class PlannerStats:
     replans: int = 0  # NeedsReplan answers
     tokens: int = 0
     wall_s: float = 0.0
+    tick_s: float = 0.0  # of it, inside the plans the worker applied (their TickTimings.wall_ns)
     tokens_per_s: float = 0.0
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
@@ -471,6 +472,7 @@ class Planner:
         """Fold an accepted plan and its events into the planner's state."""
         now = self.clock()
         self.stats.ticks += 1
+        self.stats.tick_s += ev.timings.wall_ns * 1e-9
         for lane in d.admits:
             assert self.waiting[0] is lane.request  # admits came off the front, in order
             self.waiting.popleft()

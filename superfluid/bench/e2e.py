@@ -10,11 +10,18 @@ Paths (1) and (2) are up at once and take turns, `repeats` runs each (the
 order swapped every repeat, so drift in the machine's load hits both alike),
 after an untimed warm-up (128 requests: the batch fills, so its shapes are
 paid for before the first timed run); every run starts from an empty prefix
-cache. Each path reports its median run; `daemon_to_inproc_paired` is
-the median of each repeat's back-to-back ratio. Repeats go on past `repeats`
-(in pairs, up to 4x) until each path has `min_seconds` of timed runs (default 10: on a
-fast machine 512 requests take under 2 s a run); --quick is a smoke test,
-not a number.
+cache, and every BLOCK repeats both paths start over in fresh processes (a
+process's speed at the same ticks varies a few percent with where its
+memory landed). Each path reports its median run; `daemon_to_inproc_paired` is
+the median of each repeat's back-to-back ratio (`paired_quartiles` its
+spread). Repeats go on past `repeats` (in pairs, up to ~4x) until each path
+has `min_seconds` of timed runs (default 20: 512 requests take under 2 s a
+run, and on a shared VM single runs vary by 10-15%). Less noisy than the
+ratios, and why they are what they are: `split_cost_us_per_tick`, the time a
+tick costs outside the executor's tick through the daemon less in process
+(queues, codec, wake-ups), and `tick_time_daemon_to_inproc`, the ticks
+themselves. The in-process executor runs under the worker's thread layout
+(daemon/worker.py thread_layout). --quick is a smoke test, not a number.
 """
 
 from __future__ import annotations
@@ -50,7 +57,10 @@ def _drive(client, reqs, *, budget: int, grant: int) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     toks = sum(len(rep.results[i].tokens) for i in ids)
     ttft = sorted(1e3 * rep.results[i].ttft_s for i in ids if rep.results[i].ttft_s is not None)
-    return {"tok_s": toks / wall, "tokens": toks, "wall_s": wall, "ttft": ttft,
+    ticks = max(1, rep.stats.ticks)
+    return {"tok_s": toks / wall, "tokens": toks, "wall_s": wall, "ttft": ttft, "tick_s": rep.stats.tick_s,
+            # what a tick costs outside the executor's tick: planning, and across processes the queues
+            "outside_us": 1e6 * (wall - rep.stats.tick_s) / ticks,
             "outputs": [rep.results[i].tokens for i in ids]}
 
 
@@ -64,13 +74,13 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
-def _daemon(model: str, worker_args: list[str]):
+def _daemon(model: str, worker_args: list[str], n: int = 0):
     """A daemon with one worker (its supervisor on a thread here) and a
     Client to it; close() ends both."""
     from superfluid.client import Client
     from superfluid.daemon.supervisor import Daemon
 
-    name = f"e2e-{os.getpid()}"
+    name = f"e2e-{os.getpid()}-{n}"
     d = Daemon(name, ["--model", model, *worker_args], workers=1, handle_signals=False)
     d.start()
     loop = threading.Thread(target=d.serve_forever, daemon=True)
@@ -89,10 +99,8 @@ def _daemon(model: str, worker_args: list[str]):
 
 def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int,
            worker_args: list[str], min_seconds: float = 0.0) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
-    """(daemon, in-process) median runs and each repeat's paired ratio. Both
-    paths live at once and take turns, the order swapped every repeat, so
-    drift in the machine's load hits both alike; each first runs `warmup`
-    requests untimed."""
+    """(daemon, in-process) median runs and each repeat's paired ratio (_both),
+    the in-process executor under the worker's thread layout."""
     from superfluid.client.local import LocalClient
     from superfluid.engine import load
     from superfluid.executor import Executor
@@ -102,9 +110,10 @@ def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: i
     before = (torch.get_num_threads(), cpu._threads_set)
     thread_layout(_layout_args(model, worker_args))
     try:
+        backend = _flag(worker_args, "--backend", "torch")
         return _both(model, reqs, budget=budget, grant=grant, repeats=repeats, warmup=warmup,
                      worker_args=worker_args, min_seconds=min_seconds,
-                     local=LocalClient(Executor(load(model, _flag(worker_args, "--backend", "torch")))))
+                     local=lambda: LocalClient(Executor(load(model, backend))))
     finally:
         cpu.restore_threads(before)
 
@@ -125,34 +134,50 @@ def threads_now() -> dict[str, int]:
     return {"torch": torch.get_num_threads(), "kernels": cpu.threads()}
 
 
+# Repeats (one of each order) a worker process and an in-process executor serve
+# before fresh ones take over: how fast a process runs the same ticks varies by
+# a few percent with where its memory landed, so each path's runs span several.
+BLOCK = 2
+
+
 def _both(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int, worker_args: list[str],
           min_seconds: float, local) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
-    client, close = _daemon(model, worker_args)
-    try:
-        paths = {"daemon": client, "inproc": local}
-        for c in paths.values():
-            _drive(c, reqs[:warmup], budget=budget, grant=grant)
-        runs: dict[str, list[dict[str, Any]]] = {"daemon": [], "inproc": []}
-        r, least = 0, max(1, repeats)
+    """Both paths take turns, the order swapped every repeat, so drift in the
+    machine's load hits both alike; every BLOCK repeats a fresh daemon worker
+    and a fresh in-process executor (`local()`), each first running `warmup`
+    requests untimed."""
+    runs: dict[str, list[dict[str, Any]]] = {"daemon": [], "inproc": []}
+    r, least = 0, max(1, repeats)
 
-        def short() -> bool:  # more runs wanted: too little timed, or an extra pair half done
-            return (r - least) % 2 == 1 or min(sum(x["wall_s"] for x in rs) for rs in runs.values()) < min_seconds
+    def more() -> bool:  # more runs wanted: too few, too little timed, or an extra pair half done
+        short = (r - least) % 2 == 1 or min(sum(x["wall_s"] for x in rs) for rs in runs.values()) < min_seconds
+        return r < least or (r < cap and short)
 
-        # Extra repeats come in pairs, one of each order, so they do not tip which path goes first.
-        cap = least + 2 * (3 * least // 2)
-        while r < least or (r < cap and short()):
-            for name in (("inproc", "daemon") if r % 2 == 0 else ("daemon", "inproc")):
-                runs[name].append(_drive(paths[name], reqs, budget=budget, grant=grant))
-            r += 1
-    finally:
-        client.close()
-        close()
+    # Extra repeats come in pairs, one of each order, so they do not tip which path goes first.
+    cap = least + 2 * (3 * least // 2)
+    while more():
+        client, close = _daemon(model, worker_args, r)
+        try:
+            paths = {"daemon": client, "inproc": local()}
+            for c in paths.values():
+                _drive(c, reqs[:warmup], budget=budget, grant=grant)
+            for _ in range(BLOCK):
+                if not more():
+                    break
+                for name in (("inproc", "daemon") if r % 2 == 0 else ("daemon", "inproc")):
+                    runs[name].append(_drive(paths[name], reqs, budget=budget, grant=grant))
+                r += 1
+        finally:
+            client.close()
+            close()
     out = {}
     for name, rs in runs.items():
         med = _median(rs)
         med["same_every_run"] = all(x["outputs"] == rs[0]["outputs"] for x in rs)
         med["runs_tok_s"] = [round(x["tok_s"], 1) for x in rs]
         med["runs_wall_s"] = [round(x["wall_s"], 2) for x in rs]
+        med["tick_s_median"] = float(np.median([x["tick_s"] for x in rs]))
+        med["outside_us_median"] = float(np.median([x["outside_us"] for x in rs]))
         out[name] = med
     paired = [d["tok_s"] / i["tok_s"] for d, i in zip(runs["daemon"], runs["inproc"])]
     out["daemon"]["same_as_inproc"] = all(d["outputs"] == i["outputs"] for d, i in zip(runs["daemon"], runs["inproc"]))
@@ -193,7 +218,7 @@ def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
 
 def run(*, requests: int = 512, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
         hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 128,
-        worker_args: list[str] | None = None, min_seconds: float = 10.0) -> dict[str, Any]:
+        worker_args: list[str] | None = None, min_seconds: float = 20.0) -> dict[str, Any]:
     from superfluid.engine.config import load_config
     from superfluid.engine.tiny import default_model_dir
 
@@ -215,6 +240,14 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
         "daemon_to_inproc": round(daemon["tok_s"] / inproc["tok_s"], 3),
         "daemon_to_inproc_paired": round(float(np.median(paired)), 3),
         "runs_daemon_to_inproc": [round(x, 3) for x in paired],
+        "paired_quartiles": [round(float(q), 3) for q in np.percentile(paired, [25, 75])],
+        # Where the difference comes from, less noisy than the ratio: per tick, the time outside
+        # the executor's ticks (the daemon's less the in-process one's: what the split costs), and
+        # the ticks themselves (median run, daemon over in-process).
+        "outside_us_per_tick": {"daemon": round(daemon["outside_us_median"], 1),
+                                "inproc": round(inproc["outside_us_median"], 1)},
+        "split_cost_us_per_tick": round(daemon["outside_us_median"] - inproc["outside_us_median"], 1),
+        "tick_time_daemon_to_inproc": round(daemon["tick_s_median"] / inproc["tick_s_median"], 3),
         "ttft_ms": {"p50": _pct(daemon["ttft"], 50), "p99": _pct(daemon["ttft"], 99)},
         "inproc_ttft_ms": {"p50": _pct(inproc["ttft"], 50), "p99": _pct(inproc["ttft"], 99)},
         "hf_ttft_ms": {"p50": _pct(hf["ttft"], 50), "p99": _pct(hf["ttft"], 99)} if hf else None,
@@ -240,7 +273,7 @@ def _main(args: argparse.Namespace) -> int:
         args.requests, args.repeats, args.hf_requests = args.requests or 8, args.repeats or 1, 4
         args.min_seconds = 0.0 if args.min_seconds is None else args.min_seconds
     res = run(requests=args.requests or 512, model=args.model, repeats=args.repeats or 5,
-              min_seconds=10.0 if args.min_seconds is None else args.min_seconds,
+              min_seconds=20.0 if args.min_seconds is None else args.min_seconds,
               hf_requests=args.hf_requests, worker_args=args.worker_args.split() if args.worker_args else None)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -261,7 +294,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests a run (default 512; --quick: 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per path (default 5; --quick: 1)")
     p.add_argument("--min-seconds", type=float, default=None,
-                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed (default 10; --quick: 0)")
+                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed (default 20; --quick: 0)")
     p.add_argument("--hf-requests", type=int, default=32,
                    help="the first N requests also go through HF generate (default 32, 0 = skip HF)")
     p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")

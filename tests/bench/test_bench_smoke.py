@@ -192,6 +192,15 @@ def test_bench_e2e_keys(shm_dir, capsys):
     assert n == 2 or min(sum(walls["daemon"][:-2]), sum(walls["inproc"][:-2])) < 0.5 + 0.01 * n  # no pair too many
     assert res["workload"]["requests"] == 4 and res["workload"]["hf_requests"] == 4
     assert len(res["loadavg_before"]) == len(res["loadavg_after"]) == 3
+    q1, q3 = res["paired_quartiles"]
+    assert q1 <= res["daemon_to_inproc_paired"] <= q3
+    # every run's ticks took time, and both paths spent some outside them (the planner's turn)
+    assert res["outside_us_per_tick"]["daemon"] > 0 and res["outside_us_per_tick"]["inproc"] > 0
+    split = res["outside_us_per_tick"]["daemon"] - res["outside_us_per_tick"]["inproc"]
+    assert abs(res["split_cost_us_per_tick"] - split) <= 0.11  # (each rounded to 0.1)
+    assert res["tick_time_daemon_to_inproc"] > 0
+    # both paths under the worker's thread layout: our kernels take the threads, torch one
+    assert res["threads"]["torch"] == 1 and res["threads"]["kernels"] >= 1
     assert not os.listdir(shm_dir)
 
 
