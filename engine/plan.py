@@ -10,8 +10,8 @@ check against state without re-validating the encoding.
 from __future__ import annotations
 
 import math
-from math import isfinite as _isfinite
 import struct
+from math import isfinite as _isfinite
 from typing import Any
 
 from superfluid.abi import (
