@@ -315,13 +315,14 @@ class Worker:
                 _release(self._plan_view)  # decoded: the planner may queue the next plan now
                 ev = self.ex.tick(plan, decoded=True).events
         self._tick_counters()  # before the events go out: a planner that sees them sees the counters too
-        if self.metrics is not None:
-            self.metrics.tick(plan, ev)
         self.out.events(ev, session)
         if plan is not None:
             # The planner's turn: the runtime's threads sleep rather than spin
             # against it for a core (on 2 cores its turnaround took ~15% longer).
             self.ex.runtime.idle()
+        if self.metrics is not None:
+            # After the events, while the planner reads them: a scrape sees the tick ~50 us later.
+            self.metrics.tick(plan, ev)
         if self._outbox:
             self.out.flush()
 
@@ -338,9 +339,9 @@ class Worker:
         _release(self._plan_view)
         wall = ex.clock() - t0
         self._tick_counters()
+        self.out.bare_events(head[0], wall, mem, ex.epoch, session)
         if self.metrics is not None:
             self.metrics.tick_empty(wall, mem)
-        self.out.bare_events(head[0], wall, mem, ex.epoch, session)
         return True
 
     def run(self) -> int:
