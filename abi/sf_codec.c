@@ -142,22 +142,27 @@ static int enc_span_rows(const Rec *sub, PyObject *v, char *span, Arena *a) {
     return rc;
 }
 
+/* The bytes of a bytes or str value (str as UTF-8, as codec.py encodes it), or FAIL. */
+static int bytes_of(PyObject *v, const char **data, Py_ssize_t *n) {
+    if (PyBytes_Check(v)) {
+        *data = PyBytes_AS_STRING(v);
+        *n = PyBytes_GET_SIZE(v);
+        return 0;
+    }
+    if (!PyUnicode_Check(v)) return FAIL;
+    *data = PyUnicode_AsUTF8AndSize(v, n);
+    if (*data == NULL) {
+        PyErr_Clear();
+        return FAIL;
+    }
+    return 0;
+}
+
 static int enc_span_bytes(PyObject *v, char *span, Arena *a) {
     const char *data;
     Py_ssize_t n;
     if (v == Py_None) return 0;
-    if (PyBytes_Check(v)) {
-        data = PyBytes_AS_STRING(v);
-        n = PyBytes_GET_SIZE(v);
-    } else if (PyUnicode_Check(v)) {
-        data = PyUnicode_AsUTF8AndSize(v, &n);
-        if (data == NULL) {
-            PyErr_Clear();
-            return FAIL;
-        }
-    } else {
-        return FAIL;
-    }
+    if (bytes_of(v, &data, &n)) return FAIL;
     return n == 0 ? 0 : place(a, data, n, n, span);
 }
 
@@ -181,19 +186,7 @@ static int enc_field(const Fld *f, PyObject *v, char *dst, Arena *a) {
     case K_CHARS: {
         const char *s;
         Py_ssize_t n;
-        if (PyBytes_Check(v)) {
-            s = PyBytes_AS_STRING(v);
-            n = PyBytes_GET_SIZE(v);
-        } else if (PyUnicode_Check(v)) {
-            s = PyUnicode_AsUTF8AndSize(v, &n);
-            if (s == NULL) {
-                PyErr_Clear();
-                return FAIL;
-            }
-        } else {
-            return FAIL;
-        }
-        if (n > f->length) return FAIL;
+        if (bytes_of(v, &s, &n) || n > f->length) return FAIL;
         memcpy(p, s, n);
         return 0;
     }
@@ -228,30 +221,29 @@ static int enc_record(const Rec *r, PyObject *obj, char *dst, Arena *a, int top)
     return 0;
 }
 
-static int rec_index(PyObject *o, Py_ssize_t *out) {
-    Py_ssize_t i = PyLong_AsSsize_t(o);
-    if (i == -1 && PyErr_Occurred()) return -1;
-    if (i < 0 || i >= NRECS) {
-        PyErr_SetString(PyExc_IndexError, "record index out of range");
-        return -1;
-    }
-    *out = i;
-    return 0;
-}
-
-/* encode_into(buf, index, record, kind, session) -> bytes written, or None */
-static PyObject *py_encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t idx;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "encode_into(buf, index, record, kind, session)");
+/* The record a call names in args[1], its arguments counted; NULL with the error set. */
+static const Rec *called_rec(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *signature) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, signature);
         return NULL;
     }
     if (RECS == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_codec.setup() was not called");
         return NULL;
     }
-    if (rec_index(args[1], &idx)) return NULL;
-    const Rec *r = &RECS[idx];
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || i >= NRECS) {
+        PyErr_SetString(PyExc_IndexError, "record index out of range");
+        return NULL;
+    }
+    return &RECS[i];
+}
+
+/* encode_into(buf, index, record, kind, session) -> bytes written, or None */
+static PyObject *py_encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const Rec *r = called_rec(args, nargs, 5, "encode_into(buf, index, record, kind, session)");
+    if (r == NULL) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
         PyErr_Clear();
@@ -398,22 +390,13 @@ static PyObject *dec_record(const Rec *r, const char *src, const View *arena) {
 
 /* decode(buf, index, kind) -> record, or None */
 static PyObject *py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t idx;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "decode(buf, index, kind)");
-        return NULL;
-    }
-    if (RECS == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_codec.setup() was not called");
-        return NULL;
-    }
-    if (rec_index(args[1], &idx)) return NULL;
+    const Rec *r = called_rec(args, nargs, 3, "decode(buf, index, kind)");
+    if (r == NULL) return NULL;
     unsigned long want = PyLong_AsUnsignedLong(args[2]);
     if (want == (unsigned long)-1 && PyErr_Occurred()) {
         PyErr_Clear(); /* not a kind a message has: codec.py says so */
         Py_RETURN_NONE;
     }
-    const Rec *r = &RECS[idx];
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         PyErr_Clear();

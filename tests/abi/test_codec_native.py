@@ -165,3 +165,11 @@ def test_every_record_the_fast_path_knows_has_its_compiled_layout():
         cls, size, has_ss, fields = rows[i]
         assert cls is CLASSES[name] and size == ffi.sizeof(name)
         assert [f[1] for f in fields] == [ffi.offsetof(name, f.name) for f in LAYOUTS[name]]
+
+
+def test_a_wrong_call_is_an_error_not_a_fallback():
+    # None means "the Python path decides"; a call that is wrong itself must say so instead.
+    with pytest.raises(IndexError):
+        native.decode(b"\0" * 64, len(codec.CODECS), TOP_LEVEL["TickPlan"])
+    with pytest.raises(TypeError):
+        native.encode_into(bytearray(64), 0, TickPlan())
