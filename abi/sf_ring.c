@@ -375,6 +375,11 @@ void sf_queue_wake_all(QueueView *v) {
     sf_futex_wake(low_word(&v->q->tail), INT_MAX);
 }
 
+void sf_queue_heads_up(QueueView *v) {
+    if (__atomic_load_n(&v->q->consumer_sleeping, SEQ_CST))
+        sf_futex_wake(low_word(&v->q->head), INT_MAX);
+}
+
 /* The one wait loop behind both directions: `ready` tells whether the
  * queue has what is waited for; the futex word is the counter the peer
  * moves, and `seen` the value it had when the queue was not ready. */
@@ -392,6 +397,23 @@ static int writable(QueueView *v, uint64_t *seen) {
     return __atomic_load_n(&v->q->head, RELAXED) - tail < v->n_slots;
 }
 
+/* Spin until ready (1) or spin_end (0). */
+static int spin_for(QueueView *v, ready_fn ready, uint64_t spin_end) {
+    uint64_t seen;
+    for (int rounds = 0;; rounds++) {
+        for (int i = 0; i < 32; i++) {
+            if (ready(v, &seen))
+                return 1;
+            cpu_relax();
+        }
+        if (sf_monotonic_ns() >= spin_end)
+            return 0;
+        /* Now and then let a peer that shares this CPU run. */
+        if (rounds % 16 == 15)
+            sched_yield();
+    }
+}
+
 static int wait_for(QueueView *v, ready_fn ready, uint64_t *word, uint32_t *sleeping,
                     const SegmentHeader *seg, uint64_t epoch, int watch_stop, int64_t timeout_ns,
                     int64_t spin_ns) {
@@ -406,18 +428,8 @@ static int wait_for(QueueView *v, ready_fn ready, uint64_t *word, uint32_t *slee
     uint64_t spin_end = start + (uint64_t)(spin_ns > 0 ? spin_ns : 0);
     if (spin_end > deadline)
         spin_end = deadline;
-    for (int rounds = 0;; rounds++) {
-        for (int i = 0; i < 32; i++) {
-            if (ready(v, &seen))
-                return SF_WAIT_READY;
-            cpu_relax();
-        }
-        if (sf_monotonic_ns() >= spin_end)
-            break;
-        /* Now and then let a peer that shares this CPU run. */
-        if (rounds % 16 == 15)
-            sched_yield();
-    }
+    if (spin_for(v, ready, spin_end))
+        return SF_WAIT_READY;
     for (;;) {
         uint64_t now = sf_monotonic_ns();
         if (now >= deadline)
@@ -437,10 +449,17 @@ static int wait_for(QueueView *v, ready_fn ready, uint64_t *word, uint32_t *slee
             __atomic_store_n(sleeping, 0, RELAXED);
             return SF_WAIT_READY;
         }
-        sf_futex_wait(low_word(word), (uint32_t)seen, (int64_t)slice);
+        int woke = sf_futex_wait(low_word(word), (uint32_t)seen, (int64_t)slice) == 0;
         __atomic_store_n(sleeping, 0, RELAXED);
         if (ready(v, &seen))
             return SF_WAIT_READY;
+        if (woke) {
+            /* Woken with nothing there: a heads-up (the message is on its way)
+             * or a signal; either way spinning a while costs little. */
+            uint64_t end = sf_monotonic_ns() + SF_HEADS_UP_SPIN_NS;
+            if (spin_for(v, ready, end < deadline ? end : deadline))
+                return SF_WAIT_READY;
+        }
     }
 }
 

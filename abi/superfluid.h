@@ -319,6 +319,10 @@ extern "C" {
 #define SF_WAIT_STOP 3      /* the daemon is shutting down (SegmentHeader.stop_requested) */
 /* Longest single futex sleep, so a waiter sees a dead peer within it. */
 #define SF_WAIT_SLICE_NS 20000000
+/* How long a sleeper woken by sf_queue_heads_up (woken, nothing to read) spins
+ * before it sleeps again: longer than a worker takes from a tick's last step to
+ * its events (~0.1-1 ms), shorter than a tick. */
+#define SF_HEADS_UP_SPIN_NS 2000000
 
 /* ================================================================ records */
 
@@ -376,7 +380,13 @@ typedef struct Span {
  *   milliseconds) sleeps at once, leaving the core to the worker's threads; an empty
  *   tick is answered while spinning. The Python, Rust and Go clients do this (SpinBudget).
  *   The worker spins so for the next plan after each tick, and sleeps (spin 0) once
- *   a 5 ms slice passes with no plan. sf_queue_wait_* sleep in slices of SF_WAIT_SLICE_NS and,
+ *   a 5 ms slice passes with no plan. Heads-up: once a tick's model steps are done, the
+ *   worker wakes a planner asleep on the event queue (sf_queue_heads_up, nothing
+ *   published), and the wait spins up to SF_HEADS_UP_SPIN_NS for the events it is
+ *   building: a wake-up from sleep costs 50-100 us on a VM and at times milliseconds,
+ *   spent there while the worker works instead of after it has published. Any client
+ *   waiting with sf_queue_wait_* gets this; one with its own wait loop should spin
+ *   when woken with nothing to read. sf_queue_wait_* sleep in slices of SF_WAIT_SLICE_NS and,
  *   given the segment, return SF_WAIT_GONE once the worker is gone, so even a wait
  *   with no deadline ends. A tick can take seconds (a long prefill): time a reply out in seconds
  *   (the Python client's default is 30 s). Every timeout is in ns in C (< 0:
@@ -871,7 +881,8 @@ uint8_t *sf_queue_try_peek(QueueView *v);
 int sf_queue_release(QueueView *v);
 uint64_t sf_queue_len(const QueueView *v);
 /* Spin for spin_ns, then sleep on the futex in slices of at most
- * SF_WAIT_SLICE_NS, checking the segment before each: SF_WAIT_GONE when
+ * SF_WAIT_SLICE_NS, checking the segment before each (woken with nothing
+ * there, e.g. by a heads-up: spin up to SF_HEADS_UP_SPIN_NS first): SF_WAIT_GONE when
  * seg->worker_epoch != epoch, the worker is STOPPED/DEAD/GAVE_UP, or it is
  * READY but its worker_pid no longer exists,
  * SF_WAIT_STOP when stop_requested is set and watch_stop. seg may be NULL.
@@ -882,6 +893,10 @@ int sf_queue_wait_writable(QueueView *v, const SegmentHeader *seg, uint64_t epoc
                            int64_t timeout_ns, int64_t spin_ns);
 /* Wake every sleeper on the queue (after an epoch change or a stop). */
 void sf_queue_wake_all(QueueView *v);
+/* Producer side: a message is due soon. Wakes a consumer asleep in
+ * sf_queue_wait_readable/peek (a futex wake, only if it is asleep; nothing
+ * published), which then spins up to SF_HEADS_UP_SPIN_NS before it sleeps again. */
+void sf_queue_heads_up(QueueView *v);
 /* The same as slot indexes, for callers that keep their own slot table:
  * *_at return the index try_reserve/try_peek would give, or -1; wait_*
  * wait as above, then return the index, or -SF_WAIT_TIMEOUT/GONE/STOP. */

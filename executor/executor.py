@@ -109,6 +109,9 @@ class Executor:
         self.penalty_exempt: frozenset[int] | None = None
         self.dead: str | None = None  # why the executor refuses ticks after a fatal error
         self.partial_sink: Callable[[int, int, int, int], None] | None = None
+        # Called once a tick's model steps are done, before its events are built
+        # (a worker wakes its planner and parks the runtime's threads there).
+        self.steps_done: Callable[[], None] | None = None
         self.tokens_emitted = 0
         self.seeded_tokens = 0  # prompt tokens admits took from seeds instead of prefilling
         self.rejects = 0
@@ -247,6 +250,8 @@ class Executor:
         if plan.decodes:
             t.decode()
         t_end = clock()
+        if self.steps_done is not None:
+            self.steps_done()
         return t.events(TickTimings(t_end - t0, prefill_ns, t_end - t_decode, 0, 0))
 
     def tick_empty(self, plan_seq: int, max_decode_lanes: int) -> TickMemCounters | None:

@@ -167,6 +167,14 @@ class SlotQueue:
             raise self._closed()
         lib.sf_queue_wake_all(self._view)
 
+    def heads_up(self) -> None:
+        """Producer: a message is due soon. A consumer asleep in a wait wakes
+        and spins for it (SF_HEADS_UP_SPIN_NS), instead of paying a wake-up
+        from sleep after the publish."""
+        if self._seg.closed:
+            raise self._closed()
+        lib.sf_queue_heads_up(self._view)
+
     def sane(self) -> bool:
         """False when the counters are impossible (head - tail > n_slots, or
         tail past head): only a corrupting peer makes them so."""

@@ -29,6 +29,7 @@ const (
 	SF_FINISH_GRAMMAR                  = 0x3
 	SF_FINISH_LENGTH                   = 0x2
 	SF_FINISH_NONE                     = 0x0
+	SF_HEADS_UP_SPIN_NS                = 0x1e8480
 	SF_MAGIC                           = 0x31564449554c4653
 	SF_MAX_TOP_LOGPROBS                = 0x14
 	SF_MSG_EVENTS                      = 0x2

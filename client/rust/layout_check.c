@@ -291,6 +291,7 @@ _Static_assert(SF_FINISH_EOS == 1ULL, "SF_FINISH_EOS: regenerate abi.rs");
 _Static_assert(SF_FINISH_GRAMMAR == 3ULL, "SF_FINISH_GRAMMAR: regenerate abi.rs");
 _Static_assert(SF_FINISH_LENGTH == 2ULL, "SF_FINISH_LENGTH: regenerate abi.rs");
 _Static_assert(SF_FINISH_NONE == 0ULL, "SF_FINISH_NONE: regenerate abi.rs");
+_Static_assert(SF_HEADS_UP_SPIN_NS == 2000000ULL, "SF_HEADS_UP_SPIN_NS: regenerate abi.rs");
 _Static_assert(SF_MAGIC == 3555104037609948755ULL, "SF_MAGIC: regenerate abi.rs");
 _Static_assert(SF_MAX_TOP_LOGPROBS == 20ULL, "SF_MAX_TOP_LOGPROBS: regenerate abi.rs");
 _Static_assert(SF_MSG_EVENTS == 2ULL, "SF_MSG_EVENTS: regenerate abi.rs");

@@ -30,6 +30,7 @@ pub const SF_FINISH_EOS: u32 = 0x1;
 pub const SF_FINISH_GRAMMAR: u32 = 0x3;
 pub const SF_FINISH_LENGTH: u32 = 0x2;
 pub const SF_FINISH_NONE: u32 = 0x0;
+pub const SF_HEADS_UP_SPIN_NS: u32 = 0x1e8480;
 pub const SF_MAGIC: u64 = 0x31564449554c4653;
 pub const SF_MAX_TOP_LOGPROBS: u32 = 0x14;
 pub const SF_MSG_EVENTS: u32 = 0x2;
@@ -798,6 +799,7 @@ extern "C" {
     pub fn sf_queue_attach(a0: *mut QueueView, a1: *mut c_void, a2: u64) -> i32;
     pub fn sf_queue_attach_as(a0: *mut QueueView, a1: *mut c_void, a2: u64, a3: u32, a4: u32) -> i32;
     pub fn sf_queue_bytes(a0: u32, a1: u32) -> u64;
+    pub fn sf_queue_heads_up(a0: *mut QueueView);
     pub fn sf_queue_init(a0: *mut c_void, a1: u32, a2: u32);
     pub fn sf_queue_len(a0: *mut QueueView) -> u64;
     pub fn sf_queue_peek_at(a0: *mut QueueView) -> i64;
