@@ -15,8 +15,11 @@ process's speed at the same ticks varies a few percent with where its
 memory landed). Each path reports its median run; `daemon_to_inproc_paired` is
 the median of each repeat's back-to-back ratio (`paired_quartiles` its
 spread). Repeats go on past `repeats` (in pairs, up to ~4x) until each path
-has `min_seconds` of timed runs (default 20: 512 requests take under 2 s a
-run, and on a shared VM single runs vary by 10-15%). Less noisy than the
+has `min_seconds` of timed runs (default 40: 512 requests take 2-4 s a run
+on 2 cores, and on a shared VM single runs vary by 10-15%, so a median
+wants a dozen pairs); `paired_ci90` bootstraps the paired median's 90%
+interval; `daemon_to_inproc_total` is all timed runs at once (each path's
+tokens over its seconds), steadier than either median. Less noisy than the
 ratios, and why they are what they are: `split_cost_us_per_tick`, the time a
 tick costs outside the executor's tick through the daemon less in process
 (queues, codec, wake-ups), and `tick_time_daemon_to_inproc`, the ticks
@@ -68,6 +71,14 @@ def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     return round(xs[min(len(xs) - 1, int(np.ceil(q / 100 * len(xs))) - 1)], 2)
+
+
+def _ci90(paired: list[float], draws: int = 2000) -> list[float]:
+    """A 90% bootstrap interval of the paired ratios' median (a fixed seed:
+    the same runs give the same interval)."""
+    x = np.asarray(paired, dtype=np.float64)
+    meds = np.median(x[np.random.default_rng(0).integers(0, len(x), (draws, len(x)))], axis=1)
+    return [round(float(q), 3) for q in np.percentile(meds, [5, 95])]
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,6 +187,7 @@ def _both(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: in
         med["same_every_run"] = all(x["outputs"] == rs[0]["outputs"] for x in rs)
         med["runs_tok_s"] = [round(x["tok_s"], 1) for x in rs]
         med["runs_wall_s"] = [round(x["wall_s"], 2) for x in rs]
+        med["total_tok_s"] = sum(x["tokens"] for x in rs) / sum(x["wall_s"] for x in rs)
         med["tick_s_median"] = float(np.median([x["tick_s"] for x in rs]))
         med["outside_us_median"] = float(np.median([x["outside_us"] for x in rs]))
         out[name] = med
@@ -218,7 +230,7 @@ def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
 
 def run(*, requests: int = 512, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
         hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 128,
-        worker_args: list[str] | None = None, min_seconds: float = 20.0) -> dict[str, Any]:
+        worker_args: list[str] | None = None, min_seconds: float = 40.0) -> dict[str, Any]:
     from superfluid.engine.config import load_config
     from superfluid.engine.tiny import default_model_dir
 
@@ -241,6 +253,9 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
         "daemon_to_inproc_paired": round(float(np.median(paired)), 3),
         "runs_daemon_to_inproc": [round(x, 3) for x in paired],
         "paired_quartiles": [round(float(q), 3) for q in np.percentile(paired, [25, 75])],
+        "paired_ci90": _ci90(paired),
+        # Every timed run at once: each path's tokens over its seconds (the steadiest of the three).
+        "daemon_to_inproc_total": round(daemon["total_tok_s"] / inproc["total_tok_s"], 3),
         # Where the difference comes from, less noisy than the ratio: per tick, the time outside
         # the executor's ticks (the daemon's less the in-process one's: what the split costs), and
         # the ticks themselves (median run, daemon over in-process).
@@ -273,14 +288,14 @@ def _main(args: argparse.Namespace) -> int:
         args.requests, args.repeats, args.hf_requests = args.requests or 8, args.repeats or 1, 4
         args.min_seconds = 0.0 if args.min_seconds is None else args.min_seconds
     res = run(requests=args.requests or 512, model=args.model, repeats=args.repeats or 5,
-              min_seconds=20.0 if args.min_seconds is None else args.min_seconds,
+              min_seconds=40.0 if args.min_seconds is None else args.min_seconds,
               hf_requests=args.hf_requests, worker_args=args.worker_args.split() if args.worker_args else None)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         hf = f"HF generate {res['hf_tok_s']} tok/s ({res['workload']['hf_requests']} requests); " if res["hf_tok_s"] else ""
         print(f"daemon {res['tok_s']} tok/s, in-process {res['inproc_tok_s']} tok/s (ratio of medians "
-              f"{res['daemon_to_inproc']}, paired {res['runs_daemon_to_inproc']}), {hf}"
+              f"{res['daemon_to_inproc']}, all runs {res['daemon_to_inproc_total']}, paired {res['runs_daemon_to_inproc']}), {hf}"
               f"TTFT p50 {res['ttft_ms']['p50']} ms, p99 {res['ttft_ms']['p99']} ms; "
               f"{res['workload']['tokens']} tokens a run, runs {res['runs_wall_s']} s; "
               f"load {res['loadavg_before']} -> {res['loadavg_after']}")
@@ -294,7 +309,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests a run (default 512; --quick: 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per path (default 5; --quick: 1)")
     p.add_argument("--min-seconds", type=float, default=None,
-                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed (default 20; --quick: 0)")
+                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed (default 40; --quick: 0)")
     p.add_argument("--hf-requests", type=int, default=32,
                    help="the first N requests also go through HF generate (default 32, 0 = skip HF)")
     p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")

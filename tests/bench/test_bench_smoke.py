@@ -194,6 +194,11 @@ def test_bench_e2e_keys(shm_dir, capsys):
     assert len(res["loadavg_before"]) == len(res["loadavg_after"]) == 3
     q1, q3 = res["paired_quartiles"]
     assert q1 <= res["daemon_to_inproc_paired"] <= q3
+    # (every run the same tokens: a path's seconds are the sum of tokens / tok_s)
+    secs = {k: sum(1 / x for x in v) for k, v in res["runs_tok_s"].items()}
+    assert res["daemon_to_inproc_total"] == pytest.approx(secs["inproc"] / secs["daemon"], rel=0.005)
+    lo, hi = res["paired_ci90"]
+    assert min(res["runs_daemon_to_inproc"]) <= lo <= res["daemon_to_inproc_paired"] <= hi <= max(res["runs_daemon_to_inproc"])
     # every run's ticks took time, and both paths spent some outside them (the planner's turn)
     assert res["outside_us_per_tick"]["daemon"] > 0 and res["outside_us_per_tick"]["inproc"] > 0
     split = res["outside_us_per_tick"]["daemon"] - res["outside_us_per_tick"]["inproc"]
