@@ -21,8 +21,13 @@ def _counting(ex: Executor) -> list[int]:
 def test_once_per_tick_that_ran_and_before_its_events():
     ex = make_executor()
     calls = _counting(ex)
+    emitted_then: list[int] = []
+    hook = ex.steps_done
+    ex.steps_done = lambda: (hook(), emitted_then.append(ex.tokens_emitted))
     admit_and_prefill(ex, 1, 5, [1, 2, 3, 4], decode=3)
     assert calls == [1]
+    # The events (which count the emitted tokens) are built after the hook.
+    assert emitted_then == [0] and ex.tokens_emitted == 3
     r = ex.tick(PlanBuilder(2).decode(5, 2).build())
     assert r.status == Status.OK and calls == [1, 2]
     r = ex.tick(PlanBuilder(3).retire(5).build())  # no steps, still a tick that changed state
