@@ -1,18 +1,29 @@
 # Set-up is part of every target: a fresh clone needs only `make test` or `make demo`.
 PYTHON ?= python3
 VENV := .venv
-PY := $(VENV)/bin/python
+# The repository root is never on sys.path: its kernels/, engine/, ... folders
+# would shadow installed packages of those names (transformers imports Hugging
+# Face's `kernels`). -P keeps `python -m` from adding the working directory;
+# PYTHONSAFEPATH does the same for every Python the targets start.
+export PYTHONSAFEPATH := 1
+PY := $(VENV)/bin/python -P
+PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
-TORCH := torch==2.13.0
+# Every version installed is pinned here: the set the suite was last green with.
+# `make lock` refreshes it (the newest versions pyproject.toml allows).
+LOCK := constraints.txt
+UV := uv==0.13.9
 
-.PHONY: setup test demo fuzz bench gpu-check clean
+.PHONY: setup test demo fuzz bench gpu-check lock clean
 
-$(STAMP): pyproject.toml setup.py abi/superfluid.h abi/sf_ring.c abi/sf_codec.c abi/_build.py kernels/sf_cpu.c kernels/sf_gemm.c kernels/sf_pool.c kernels/sf_mask.c kernels/sf_cpu.h kernels/sf_internal.h kernels/_build_cpu.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,triton]'
+# First the installer, then pyproject.toml's `setup` group (the build backend,
+# used without isolation so at the lock's versions, and torch==2.13.0: the CPU
+# build where one is offered), then the package.
+$(STAMP): pyproject.toml setup.py $(LOCK) abi/superfluid.h abi/sf_ring.c abi/sf_codec.c abi/_build.py kernels/sf_cpu.c kernels/sf_gemm.c kernels/sf_pool.c kernels/sf_mask.c kernels/sf_cpu.h kernels/sf_internal.h kernels/_build_cpu.py
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c $(LOCK) pip
+	$(PIP) install -q -c $(LOCK) --group setup
+	$(PIP) install -q -c $(LOCK) --no-build-isolation -e '.[test,triton]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -33,6 +44,14 @@ bench: $(STAMP)
 # backend and bench engine --device cuda, into one JSON (< 8 min). No GPU: says so, exits 0.
 gpu-check: $(STAMP)
 	$(PY) -m superfluid.bench.gpu_check --out gpu-check.json
+
+# Re-resolves $(LOCK) for CPython 3.11 on x86-64 Linux, where the suite runs;
+# then run `make test` and commit both when it is green.
+lock:
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(UV)
+	$(VENV)/bin/uv pip compile pyproject.toml --extra test --extra triton --group setup --upgrade \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' -o $(LOCK)
 
 clean:
 	rm -rf $(VENV) build *.egg-info abi/_native*.so abi/_codec*.so

@@ -217,7 +217,10 @@ class Daemon:
     def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
         """The command line of worker `index` (override to vary it per worker);
         the daemon adds its channel, metrics and geometry options to it."""
-        cmd = [self.python, "-m", "superfluid.daemon.worker", "--segment", segment, "--epoch", str(epoch)]
+        # -P: the working directory is not put on sys.path (from a checkout, its
+        # kernels/ folder would shadow the installed package of that name).
+        cmd = [self.python, "-P", "-m", "superfluid.daemon.worker", "--segment", segment,
+               "--epoch", str(epoch)]
         if self.fault_injection:
             cmd.append("--fault-injection")
         return cmd + self.worker_args

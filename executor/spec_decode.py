@@ -8,7 +8,7 @@ sampler at the lane's next rng position, penalties over the history so far.
 The lane takes drafts while the picked token equals the draft token; the
 first mismatch (or the row after the whole draft) is its next token, and its
 sequence is cut back to what it kept. Since every runtime's rows are
-batch- and chunk-invariant (tests/engine/conformance.py holds each runtime
+batch- and chunk-invariant (superfluid/testing/conformance.py holds each runtime
 to it bitwise) and the engine's sampler equals the host's, these are the
 tokens plain rounds would pick: a drafting lane keeps SEED_PATH_INVARIANT.
 

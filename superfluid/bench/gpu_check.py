@@ -34,11 +34,12 @@ TAIL_LINES = 40
 def parts() -> list[tuple[str, list[str], dict[str, str], int]]:
     """(name, argv, extra environment, timeout s) of each part, in order."""
     py = sys.executable
+    # -P: started from the checkout, its folders must not shadow installed packages.
     return [
-        ("kernels", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], {}, 150),
-        ("engine_triton", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ENGINE_TESTS],
+        ("kernels", [py, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], {}, 150),
+        ("engine_triton", [py, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *ENGINE_TESTS],
          {"SUPERFLUID_TEST_BACKEND": "triton"}, 100),
-        ("bench", [py, "-m", "superfluid", "bench", "engine", "--device", "cuda", "--json"], {}, 200),
+        ("bench", [py, "-P", "-m", "superfluid", "bench", "engine", "--device", "cuda", "--json"], {}, 200),
     ]
 
 

@@ -296,7 +296,7 @@ def _spawn(kind: str, *args: str | int, cpu: int | None,
     """A fresh interpreter, not multiprocessing: nothing of the caller's
     state (threads, its __main__) is copied or re-imported."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    argv = [sys.executable, "-c", _CHILD, "-" if cpu is None else str(cpu), kind, *map(str, args)]
+    argv = [sys.executable, "-P", "-c", _CHILD, "-" if cpu is None else str(cpu), kind, *map(str, args)]
     return subprocess.Popen(argv, pass_fds=pass_fds, stdin=subprocess.DEVNULL, env=env)
 
 

@@ -43,7 +43,7 @@ def _affinity(cpu: int | None):
 
 def _start_daemon(name: str, cpu: int | None) -> subprocess.Popen[bytes]:
     """`superfluid serve --fake` (its worker inherits the CPU mask)."""
-    return subprocess.Popen([sys.executable, "-m", "superfluid", "serve", "--fake", "--name", name,
+    return subprocess.Popen([sys.executable, "-P", "-m", "superfluid", "serve", "--fake", "--name", name,
                              "--log-level", "WARNING"], stdin=subprocess.DEVNULL, preexec_fn=_affinity(cpu))
 
 

@@ -14,9 +14,18 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from superfluid.abi import codec, ffi
-from superfluid.abi.records import CLASSES, LAYOUTS, TOP_LEVEL, LaneAdmit, LaneDecode, RingRef, TickEvents, TickPlan
+from superfluid.abi.records import (
+    CLASSES,
+    LAYOUTS,
+    TOP_LEVEL,
+    LaneAdmit,
+    LaneDecode,
+    RingRef,
+    TickEvents,
+    TickPlan,
+)
 from superfluid.fuzz.plan_target import mutate, seed_corpus
-from tests.strategies import record
+from superfluid.testing.record_strategies import record
 
 native = codec._native
 pytestmark = pytest.mark.skipif(native is None, reason="superfluid.abi._codec was not built")

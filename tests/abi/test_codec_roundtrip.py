@@ -22,7 +22,7 @@ from superfluid.abi.records import (
     TickEvents,
     TickPlan,
 )
-from tests.strategies import record
+from superfluid.testing.record_strategies import record
 
 
 def _with_size(name, rec):

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,11 +20,12 @@ import pytest
 from superfluid.abi import WorkerState
 from superfluid.client import Client
 from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.testing.daemon import FAKE_WORKER
+from superfluid.testing.launch import python
 
 CFG = SegmentConfig(plan_slots=8, plan_slot_bytes=16384, event_slots=8, event_slot_bytes=65536, op_slots=16,
                     op_slot_bytes=4096, stream_slots=1024, stream_slot_bytes=64, prompt_tokens=1 << 15,
                     emit_tokens=1 << 15, logits_floats=1 << 17)
-FAKE = ("--fake", "--page", "4", "--max-seq-len", "512", "--max-batch", "16")
 _names = itertools.count()
 
 
@@ -35,7 +35,7 @@ class Zygote:
 
     def __init__(self):
         path = os.path.join(os.path.dirname(__file__), "zygote.py")
-        self.proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*python(), path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
         self._lock = threading.Lock()
 
@@ -141,7 +141,7 @@ def start_worker(zygote):
     made: list[WorkerProcess] = []
 
     def start(*args: str) -> WorkerProcess:
-        w = WorkerProcess(zygote, f"c{os.getpid()}-{next(_names)}", args or FAKE)
+        w = WorkerProcess(zygote, f"c{os.getpid()}-{next(_names)}", args or FAKE_WORKER)
         made.append(w)
         w.start()
         return w
@@ -154,7 +154,7 @@ def start_worker(zygote):
 @pytest.fixture(scope="module")
 def fake_worker(zygote):
     """One fake worker (fault injection on) shared by a module's tests."""
-    w = WorkerProcess(zygote, f"m{os.getpid()}-{next(_names)}", (*FAKE, "--fault-injection"))
+    w = WorkerProcess(zygote, f"m{os.getpid()}-{next(_names)}", (*FAKE_WORKER, "--fault-injection"))
     try:
         w.start()
         yield w

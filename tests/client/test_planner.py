@@ -17,7 +17,7 @@ from superfluid.client import GPU_GREEDY, GPU_SAMPLE, HOST, Planner, sampling_pa
 from superfluid.engine import Feed
 from superfluid.engine.fake import FakeRuntime
 
-from .conftest import FAKE
+from superfluid.testing.daemon import FAKE_WORKER
 
 EOS = 511  # the fake runtime's: vocab_size - 1
 
@@ -163,7 +163,7 @@ def test_a_faulted_lane_is_readmitted_where_it_was(fake_worker):
 def test_memory_pressure_replans_evicts_and_preempts(start_worker):
     # 64 cells in pages of 4: two or three of these requests fit at once, and
     # what they publish to the prefix cache has to be evicted for the next.
-    w = start_worker(*FAKE, "--kv-cells", "64")
+    w = start_worker(*FAKE_WORKER, "--kv-cells", "64")
     specs = [dict(prompt_tokens=prompt(20 + i, 10 + 3 * i), max_new_tokens=12, stop_at_eos=False,
                   sampling=[GPU_GREEDY, GPU_SAMPLE, HOST][i % 3], params=sampling_params(0.9), rng_base=i,
                   host_sampler=host_draw) for i in range(6)]
@@ -185,7 +185,7 @@ def test_a_worker_killed_mid_run_changes_no_token(start_worker):
     planner reconnects to the replacement and re-admits each lane with
     prompt + generated and decode_replay: every token equals an
     uninterrupted run's."""
-    w = start_worker(*FAKE, "--fake-step-cost", "0.002")
+    w = start_worker(*FAKE_WORKER, "--fake-step-cost", "0.002")
     specs = [dict(s, stop_at_eos=False) for s in MIXED]
     specs.append(dict(prompt_tokens=prompt(30, 150), max_new_tokens=4, stop_at_eos=False))  # still prefilling
     with w.connect() as c:

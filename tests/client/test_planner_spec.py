@@ -16,8 +16,7 @@ from superfluid.client.planner import Planner
 from superfluid.client.strategies import Strategy, StrategyRefused
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor import Executor
-
-from tests.executor.test_spec import Cycler
+from superfluid.testing.speculation import Cycler
 
 
 def serve(strategy, *, grant: int = 3, force: bool | None = True):

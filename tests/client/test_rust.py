@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from superfluid.abi import gen_bindings
-
-from tests.daemon.test_daemon import Serve
+from superfluid.testing.daemon import Serve
+from superfluid.testing.launch import python
 
 ROOT = Path(__file__).resolve().parents[2]
 CRATE = ROOT / "client" / "rust"
@@ -87,7 +87,7 @@ def test_the_wheel_puts_the_rust_planner_on_path_and_it_gets_pythons_tokens(tmp_
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     (wheel,) = (tmp_path / "wheels").glob("superfluid_planner-*.whl")
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
+    r = subprocess.run([*python(), "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
                         str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     plan = tmp_path / "site" / "bin" / "superfluid-plan"
@@ -101,7 +101,7 @@ def test_the_wheel_puts_the_rust_planner_on_path_and_it_gets_pythons_tokens(tmp_
     d = Serve(tmp_path_factory.mktemp("rs-wheel"), f"rswheel{os.getpid()}", "--fake")
     try:
         d.wait_log("worker 0 ready (epoch 1")
-        theirs = subprocess.run([sys.executable, "-m", "superfluid", "plan", "--name", d.name, str(tmp_path / "w.json")],
+        theirs = subprocess.run([*python(), "-m", "superfluid", "plan", "--name", d.name, str(tmp_path / "w.json")],
                                 capture_output=True, text=True, timeout=120)
         mine = subprocess.run([str(plan), "--name", d.name, str(tmp_path / "w.json")], capture_output=True, text=True,
                               timeout=120)

@@ -9,19 +9,15 @@ import json
 import os
 import struct
 import subprocess
-import sys
 import urllib.request
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from superfluid.client import Client
-from superfluid.client import workload as wl
-
-from tests.daemon.test_daemon import Serve, wait_for
-from tests.daemon.test_planner_boundary import start_fake
+from superfluid.client import Client, workload as wl
+from superfluid.testing.daemon import Serve, start_fake, wait_for
+from superfluid.testing.launch import python
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +101,13 @@ def test_a_worker_kill_changes_no_token(fake_daemon):
 
 def test_the_command_line_prints_the_results(fake_daemon, tmp_path):
     (tmp_path / "w.json").write_text(json.dumps(WORKLOAD))
-    r = subprocess.run([sys.executable, "-m", "superfluid", "plan", "--name", fake_daemon, str(tmp_path / "w.json")],
+    r = subprocess.run([*python(), "-m", "superfluid", "plan", "--name", fake_daemon, str(tmp_path / "w.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [x["id"] for x in out["results"]] == [1, 2, 3] and out["stats"]["killed"] is False
     (tmp_path / "bad.json").write_text('{"requests": [{"prompt": [1]}]}')
-    r = subprocess.run([sys.executable, "-m", "superfluid", "plan", "--name", fake_daemon, str(tmp_path / "bad.json")],
+    r = subprocess.run([*python(), "-m", "superfluid", "plan", "--name", fake_daemon, str(tmp_path / "bad.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "requests[0].max_new_tokens" in r.stderr
 

@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -23,34 +21,11 @@ from superfluid.abi import MsgKind, WorkerState, codec
 from superfluid.cli import main as cli_main
 from superfluid.client import PlanBuilder
 from superfluid.daemon.serve import parse_crash_loop, runtime_argv
-from superfluid.daemon.status import read_status
 from superfluid.daemon.supervisor import Daemon, describe_exit, restart_delay, segment_config_for
 from superfluid.daemon.worker import add_runtime_args
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import Segment, SegmentConfig, shm_dir
-
-from tests.daemon.conftest import live_workers
-
-WAIT_S = 60.0  # generous: a loaded 2-core CI box starts a worker in seconds, not milliseconds
-
-
-def wait_for(pred: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def segment_files(name: str) -> list[str]:
-    return [f for f in os.listdir(shm_dir()) if f.startswith(f"superfluid.{name}.")]
-
-
-def state_of(name: str, index: int = 0) -> dict | None:
-    st = read_status(name)
-    if st is None or len(st["workers"]) <= index or "error" in st["workers"][index]:
-        return None
-    return st["workers"][index]
+from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.testing.daemon import WAIT_S, Serve, live_workers, segment_files, state_of, wait_for
 
 
 def notices(seg: Segment) -> list:
@@ -63,34 +38,6 @@ def notices(seg: Segment) -> list:
         finally:
             seg.event_queue.release()
     return out
-
-
-class Serve:
-    """`superfluid serve` as a subprocess, its log in a file."""
-
-    def __init__(self, tmp_path: Path, name: str, *args: str):
-        self.name = name
-        self.log_path = tmp_path / f"{name}.log"
-        with open(self.log_path, "wb") as log:
-            # The environment carries the test session's SUPERFLUID_SHM_DIR.
-            self.proc = subprocess.Popen([sys.executable, "-m", "superfluid", "serve", "--name", name, *args],
-                                         stdout=log, stderr=log, env=dict(os.environ))
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_log(self, text: str) -> None:
-        wait_for(lambda: text in self.log or self.proc.poll() is not None, f"log line {text!r}")
-        assert text in self.log, self.log
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        wait_for(lambda: not live_workers(self.name), "workers to die with the daemon", 10)
-        for f in segment_files(self.name):
-            os.unlink(os.path.join(shm_dir(), f))
 
 
 @pytest.fixture

@@ -8,14 +8,15 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+
+from superfluid.testing.launch import python
 
 
 @pytest.mark.timeout(300)
 def test_demo_recovers_bitwise_and_cleans_up(shm_dir):
-    r = subprocess.run([sys.executable, "-m", "superfluid.cli", "demo", "--requests", "6"], capture_output=True,
+    r = subprocess.run([*python(), "-m", "superfluid.cli", "demo", "--requests", "6"], capture_output=True,
                        text=True, timeout=280, env={**os.environ, "SUPERFLUID_SHM_DIR": shm_dir})
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
@@ -36,7 +37,7 @@ def test_demo_recovers_bitwise_and_cleans_up(shm_dir):
 def test_demo_on_the_embedded_mamba2(shm_dir):
     """--arch mamba2: the same run on the exact_only Mamba2 runtime. Drafting
     cannot apply there (no truncation to any length): skipped, and said so."""
-    r = subprocess.run([sys.executable, "-m", "superfluid.cli", "demo", "--arch", "mamba2", "--requests", "4"],
+    r = subprocess.run([*python(), "-m", "superfluid.cli", "demo", "--arch", "mamba2", "--requests", "4"],
                        capture_output=True, text=True, timeout=110, env={**os.environ, "SUPERFLUID_SHM_DIR": shm_dir})
     out = r.stdout
     assert r.returncode == 0, out + r.stderr

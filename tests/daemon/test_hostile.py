@@ -16,7 +16,6 @@ import random
 import re
 import struct
 import subprocess
-import sys
 import threading
 import time
 
@@ -32,9 +31,8 @@ from superfluid.client.planner import Planner
 from superfluid.daemon.status import format_status, read_status
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, shm_dir
-
-from tests.daemon.test_daemon import WAIT_S, Serve, state_of, wait_for
-from tests.daemon.test_planner_boundary import FAKE, start_fake
+from superfluid.testing.daemon import FAKE, WAIT_S, Serve, start_fake, state_of, wait_for
+from superfluid.testing.launch import python
 
 QUEUES = ("plan", "event", "op", "stream")
 RINGS = ("prompt", "token", "logits")
@@ -620,7 +618,7 @@ def test_a_planner_sigkilled_with_the_lock_or_mid_write(daemon):
     mark = Mark(daemon)
     pid = worker_pid(daemon)
     for mode in ("hold", "write"):
-        p = subprocess.Popen([sys.executable, "-c", PLANNER, daemon.name, mode], stdout=subprocess.PIPE)
+        p = subprocess.Popen([*python(), "-c", PLANNER, daemon.name, mode], stdout=subprocess.PIPE)
         try:
             assert p.stdout.readline().strip() == b"connected"
             time.sleep(0.3)

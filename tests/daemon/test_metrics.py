@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from superfluid.abi.records import (LaneEmit, LanePrefill, OpCompletion, ShedEnt
                                     TickEvents, TickMemCounters, TickPlan, TickTimings)
 from superfluid.daemon.metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
 from superfluid.daemon.status import worker_snapshot
+from superfluid.testing.launch import python
 
 NAME = "tm"
 READY = {"state_code": int(WorkerState.READY), "ready": 1, "epoch": 1, "restarts": 0, "last_exit_status": 0,
@@ -252,7 +252,7 @@ def test_a_child_process_records_through_the_fd(block: WorkerMetrics, scraper: S
             "    ev = TickEvents(timings=TickTimings(wall_ns=2_000_000), emits=(LaneEmit(n_tokens=4),))\n"
             "    m.tick(None, ev)\n"
             "m.gauges(lanes_live=1, cache_entries=2, cache_bytes=3, cache_hit_tokens=11)\n")
-    subprocess.run([sys.executable, "-c", code, str(block.fd)], pass_fds=(block.fd,), check=True, timeout=60)
+    subprocess.run([*python(), "-c", code, str(block.fd)], pass_fds=(block.fd,), check=True, timeout=60)
     assert scraper.value("superfluid_worker_ticks_total") == 3
     assert scraper.value("superfluid_worker_decode_tokens_total") == 12
     assert scraper.value("superfluid_worker_tick_seconds_sum") == pytest.approx(0.006)

@@ -19,22 +19,7 @@ from superfluid.client.client import ClientTimeout
 from superfluid.client.planner import Planner
 from superfluid.daemon.status import read_status
 from superfluid.rings.segment import Segment, shm_dir
-
-from tests.daemon.test_daemon import WAIT_S, Serve, state_of, wait_for
-
-FAKE = ("--fake", "--page", "4", "--max-seq-len", "512", "--fake-step-cost", "0.004", "--fault-injection",
-        "--restart-backoff", "0.05", "--crash-loop", "50/60")
-
-
-def start_fake(tmp_path_factory, prefix: str) -> Serve:
-    """A `superfluid serve` of the fake runtime, READY (a module's daemon)."""
-    s = Serve(tmp_path_factory.mktemp(prefix), f"{prefix}{os.getpid()}", *FAKE)
-    try:
-        s.wait_log("worker 0 ready (epoch 1")
-    except BaseException:
-        s.close()
-        raise
-    return s
+from superfluid.testing.daemon import WAIT_S, Serve, start_fake, state_of, wait_for
 
 
 @pytest.fixture(scope="module")

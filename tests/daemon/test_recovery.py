@@ -22,8 +22,7 @@ from superfluid.daemon.supervisor import Daemon
 from superfluid.engine.sampling import sample
 from superfluid.engine.tiny import default_model_dir
 from superfluid.rings.segment import shm_dir
-
-from tests.daemon.conftest import live_workers
+from superfluid.testing.daemon import live_workers
 
 TRIALS = 20
 PHASES = ("mid-prefill", "mid-decode", "between-ticks", "host-waiting")

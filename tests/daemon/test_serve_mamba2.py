@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,8 +34,8 @@ from superfluid.engine.sampling import sample
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor import Executor
 from superfluid.rings.segment import shm_dir
-
-from tests.daemon.conftest import live_workers
+from superfluid.testing.daemon import live_workers
+from superfluid.testing.launch import python
 
 SLOTS = 24
 MAX_BATCH = 16
@@ -60,7 +59,7 @@ def daemon(model, state_bytes, tmp_path_factory):
     log = tmp_path_factory.mktemp("m2log") / "serve.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "superfluid", "serve", "--name", name, "--model", str(model),
+            [*python(), "-m", "superfluid", "serve", "--name", name, "--model", str(model),
              "--state-bytes", str(state_bytes), "--max-batch", str(MAX_BATCH), "--restart-backoff", "0.05",
              "--restart-backoff-max", "0.2", "--crash-loop", "100/60"],
             stdout=f, stderr=f, env=dict(os.environ))
@@ -143,7 +142,7 @@ def test_options_a_state_pool_cannot_honour_are_refused_up_front(model, tmp_path
         with pytest.raises(ValueError, match=field):
             runtime_options(p.parse_args(argv), str(model))
     # serve says it once and exits 2, starting no worker to crash-loop
-    r = subprocess.run([sys.executable, "-m", "superfluid", "serve", "--name", f"m2bad{os.getpid()}", "--model",
+    r = subprocess.run([*python(), "-m", "superfluid", "serve", "--name", f"m2bad{os.getpid()}", "--model",
                         str(model), "--dtype", "bf16"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--dtype bf16: the Mamba2 runtime computes in float32 only" in r.stderr, r.stderr
 

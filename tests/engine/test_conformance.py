@@ -1,4 +1,4 @@
-"""Every runtime against the interface contract (tests/engine/conformance.py),
+"""Every runtime against the interface contract (superfluid.testing.conformance),
 and the fake runtime's own extras: fault injection, counters, simulated cost.
 
 To add a runtime, append a RuntimeFactory to RUNTIME_FACTORIES: a zero-arg
@@ -27,8 +27,9 @@ from superfluid.engine.runtime import (  # noqa: E402
     SampleSpec,
     Unsupported,
 )
-from tests.engine import conformance  # noqa: E402
-from tests.engine.conformance import RuntimeFactory  # noqa: E402
+from superfluid.testing import conformance
+from superfluid.testing.conformance import RuntimeFactory
+
 
 def _fake(name: str, **options) -> RuntimeFactory:
     # cheap to make and to step: look harder than a real runtime can afford

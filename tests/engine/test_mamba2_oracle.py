@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from superfluid.engine.mamba2 import Mamba2Model, Mamba2State, WeightError
 from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
+from superfluid.testing.checkpoints import rewrite_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,31 +110,22 @@ def ckpt(tmp_path_factory):
     return write_tiny_mamba2(tmp_path_factory.mktemp("bad"), seed=1, vocab_size=VOCAB, num_layers=1)
 
 
-def _rewrite(src, dst, edit):
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    tensors = load_file(src / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
-
-
 def test_missing_tensor_is_named(ckpt, tmp_path):
     name = "backbone.layers.0.mixer.A_log"
-    d = _rewrite(ckpt, tmp_path / "m", lambda t: t.pop(name))
+    d = rewrite_checkpoint(ckpt, tmp_path / "m", lambda t: t.pop(name))
     with pytest.raises(WeightError, match=f"missing tensor '{name}'"):
         Mamba2Model.load(d)
 
 
 def test_wrong_shape_is_named(ckpt, tmp_path):
     name = "backbone.layers.0.mixer.conv1d.weight"
-    d = _rewrite(ckpt, tmp_path / "s", lambda t: t.__setitem__(name, t[name][..., :3].contiguous()))
+    d = rewrite_checkpoint(ckpt, tmp_path / "s", lambda t: t.__setitem__(name, t[name][..., :3].contiguous()))
     with pytest.raises(WeightError, match=rf"'{name}' has shape \(160, 1, 3\).*\(160, 1, 4\)"):
         Mamba2Model.load(d)
 
 
 def test_unexpected_tensor_and_bad_config(ckpt, tmp_path):
-    d = _rewrite(ckpt, tmp_path / "u", lambda t: t.__setitem__("backbone.layers.7.norm.weight", torch.ones(64)))
+    d = rewrite_checkpoint(ckpt, tmp_path / "u", lambda t: t.__setitem__("backbone.layers.7.norm.weight", torch.ones(64)))
     with pytest.raises(WeightError, match="unexpected tensor.*layers.7.norm.weight"):
         Mamba2Model.load(d)
     cfg = json.loads((ckpt / "config.json").read_text())

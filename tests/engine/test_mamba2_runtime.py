@@ -16,7 +16,7 @@ from superfluid.engine.mamba2 import WeightError
 from superfluid.engine.mamba2_runtime import Mamba2Runtime
 from superfluid.engine.mamba2_state import StatePool
 from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
-from tests.engine.test_mamba2_oracle import _rewrite
+from superfluid.testing.checkpoints import rewrite_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -270,9 +270,9 @@ def test_load_refuses_a_checkpoint_that_disagrees_with_its_config(pair, tmp_path
     d = pair[0]
     name = "backbone.layers.1.mixer.dt_bias"
     with pytest.raises(WeightError, match=f"missing tensor '{name}'"):
-        load(_rewrite(d, tmp_path / "m", lambda t: t.pop(name)))
+        load(rewrite_checkpoint(d, tmp_path / "m", lambda t: t.pop(name)))
     with pytest.raises(WeightError, match=rf"'{name}' has shape \(7,\)"):
-        load(_rewrite(d, tmp_path / "s", lambda t: t.__setitem__(name, t[name][:7].contiguous())))
+        load(rewrite_checkpoint(d, tmp_path / "s", lambda t: t.__setitem__(name, t[name][:7].contiguous())))
     cfg = json.loads((d / "config.json").read_text())
     for key, value, why in (("eos_token_id", VOCAB, "eos_token_id"), ("hidden_act", "gelu", "hidden_act")):
         bad = tmp_path / key

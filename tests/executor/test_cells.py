@@ -9,9 +9,8 @@ import pytest
 
 from superfluid.abi import Finish, Status, TickStatus
 from superfluid.client.builder import PlanBuilder
-
-from tests.executor.conftest import BIG_BUDGET, admit_and_prefill, check_invariants, emit_of, fake, \
-    make_executor, put
+from superfluid.testing.executor import BIG_BUDGET, admit_and_prefill, emit_of, fake, make_executor, put
+from superfluid.testing.invariants import check_invariants
 
 
 def _prompt(n: int) -> list[int]:

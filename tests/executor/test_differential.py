@@ -20,12 +20,11 @@ import pytest
 from superfluid.abi import Finish, Sampling, Status
 from superfluid.abi.records import SamplingParams
 from superfluid.client.builder import PlanBuilder, sampling_params
-from superfluid.engine import load
-from superfluid.engine import sampling as engine_sampling
+from superfluid.engine import load, sampling as engine_sampling
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
-
-from tests.executor.conftest import BIG_BUDGET, check_invariants, emit_of, emitted, put, small_rings
+from superfluid.testing.executor import BIG_BUDGET, emit_of, emitted, put, small_rings
+from superfluid.testing.invariants import check_invariants
 
 GREEDY, SAMPLE, HOST = int(Sampling.GPU_GREEDY), int(Sampling.GPU_SAMPLE), int(Sampling.HOST)
 

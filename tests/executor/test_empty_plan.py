@@ -8,14 +8,19 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from superfluid.abi import PLAN_SEQ_MAX, PlanFlag, Status, codec
 from superfluid.abi.records import TickEvents, TickMemCounters, TickTimings
 from superfluid.client.builder import PlanBuilder
-from superfluid.engine.plan import PlanReject, decode_plan, empty_plan, encode_bare_events_into, encode_events_into
-from tests.executor.conftest import admit_and_prefill, make_executor
+from superfluid.engine.plan import (
+    PlanReject,
+    decode_plan,
+    empty_plan,
+    encode_bare_events_into,
+    encode_events_into,
+)
+from superfluid.testing.executor import WORKER_SEGMENT, admit_and_prefill, make_executor
 
 _U64 = st.integers(0, (1 << 64) - 1)
 
@@ -183,13 +188,12 @@ def test_tick_empty_declines_without_changing_anything():
 
 def test_worker_answers_an_empty_plan_as_the_general_path(seg_name):
     from superfluid.daemon.metrics import WorkerMetrics
+    from superfluid.engine.fake import FakeRuntime
     from superfluid.executor import Executor, SegmentRings
     from superfluid.executor.worker import Worker
-    from superfluid.engine.fake import FakeRuntime
     from superfluid.rings.segment import Segment
-    from tests.executor.test_worker import CFG
 
-    seg = Segment.create(seg_name, 0, CFG)
+    seg = Segment.create(seg_name, 0, WORKER_SEGMENT)
     metrics = [WorkerMetrics.create(f"{seg_name}.{i}") for i in range(2)]
     try:
         w = Worker(seg, Executor(FakeRuntime(vocab_size=64, page=4), SegmentRings(seg), epoch=3), epoch=3,

@@ -12,8 +12,9 @@ import pytest
 
 from superfluid.abi import OpStatus, Status
 from superfluid.client.builder import sampling_params
-from tests.executor.conftest import SAMPLE, assert_reject, emit_of, emitted, put
-from tests.executor.test_seeds import SPI, exe
+from superfluid.testing.executor import SAMPLE, emit_of, emitted, put
+from superfluid.testing.invariants import assert_reject
+from superfluid.testing.seeds import SPI, exe
 
 PROMPT = [i % 50 + 1 for i in range(40)]
 N = 8

@@ -15,13 +15,11 @@ import numpy as np
 import pytest
 
 from superfluid.abi import OpKind, OpStatus
-from superfluid.engine import load
-from superfluid.engine import sampling as es
+from superfluid.engine import load, sampling as es
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
 from superfluid.executor.grammar import KINDS, GrammarError, GrammarRegistry, GrammarsUnsupported
-
-from tests.executor.conftest import fake, small_rings
+from superfluid.testing.executor import fake, small_rings
 
 V = 320  # the tiny model: 256 byte tokens (id == byte), specials 256..259, unused ids after
 EOS = frozenset({257, 259})

@@ -20,8 +20,8 @@ from superfluid.client.planner import Planner
 from superfluid.engine import load
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
-
-from tests.executor.conftest import BIG_BUDGET, assert_reject, emit_of, put, small_rings, snapshot, assert_unchanged
+from superfluid.testing.executor import BIG_BUDGET, emit_of, put, small_rings
+from superfluid.testing.invariants import assert_reject, assert_unchanged, snapshot
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -12,19 +12,17 @@ import pytest
 
 from superfluid.abi import ECHO_BYTES, Determinism, Fault, OpKind, OpStatus, ShedKind, Status
 from superfluid.client.builder import PlanBuilder
-
-from tests.executor.conftest import (
+from superfluid.testing.executor import (
     BIG_BUDGET,
     HOST,
     admit_and_prefill,
-    check_invariants,
     emit_of,
     emitted,
     fake,
     make_executor,
     put,
-    snapshot,
 )
+from superfluid.testing.invariants import check_invariants, snapshot
 
 P_DONE = list(range(1, 9))  # 8 tokens: the lane that decodes to max_seq_len
 P_DEC = list(range(10, 20))  # 10 tokens

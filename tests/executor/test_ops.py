@@ -12,21 +12,28 @@ import msgpack
 import numpy as np
 import pytest
 
-from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, Sampling, ShedKind, ShedReason, Status, \
-    TickStatus
+from superfluid.abi import (
+    ABI_VERSION,
+    Fault,
+    OpKind,
+    OpStatus,
+    Sampling,
+    ShedKind,
+    ShedReason,
+    Status,
+    TickStatus,
+)
 from superfluid.client.builder import PlanBuilder, sampling_params
-
-from tests.executor.conftest import (
+from superfluid.testing.executor import (
     BIG_BUDGET,
     admit_and_prefill,
-    check_invariants,
     emit_of,
     emitted,
     fake,
     make_executor,
     put,
-    snapshot,
 )
+from superfluid.testing.invariants import check_invariants, snapshot
 
 
 def op(ex, **msg):

@@ -6,8 +6,7 @@ from __future__ import annotations
 from superfluid.abi import Finish, Status
 from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.executor.tick import LATENCY_STEP_SECS, LATENCY_STEP_UNIT
-
-from tests.executor.conftest import BIG_BUDGET, emit_of, emitted, fake, make_executor, put
+from superfluid.testing.executor import BIG_BUDGET, emit_of, emitted, fake, make_executor, put
 
 PROMPT = 4 * 256
 

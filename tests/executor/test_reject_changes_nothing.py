@@ -23,16 +23,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from superfluid.abi import PlanFlag, Status, codec
 from superfluid.client.builder import PlanBuilder
 from superfluid.engine.fake import FakeRuntime
-
-from tests.executor.conftest import (
-    HOST,
-    Planner,
-    assert_unchanged,
-    check_invariants,
-    make_executor,
-    put,
-    snapshot,
-)
+from superfluid.testing.executor import HOST, make_executor, put
+from superfluid.testing.invariants import assert_unchanged, check_invariants, snapshot
+from superfluid.testing.planner import Planner
 
 RUNTIMES = [
     dict(vocab_size=32, max_seq_len=40, page=4, eos_rate=0.1),

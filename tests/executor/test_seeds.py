@@ -12,77 +12,12 @@ import msgpack
 import pytest
 
 from superfluid.abi import CacheClass, Determinism, OpStatus, ShedKind, ShedReason, Status
-from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.executor.cache import PrefixCache
+from superfluid.testing.executor import SAMPLE, emit_of, emitted, put
+from superfluid.testing.invariants import assert_reject, check_invariants, snapshot
+from superfluid.testing.seeds import SPI, LeaseDriver, exe
 
-from tests.executor.conftest import (
-    BIG_BUDGET,
-    SAMPLE,
-    assert_reject,
-    check_invariants,
-    emit_of,
-    emitted,
-    fake,
-    make_executor,
-    put,
-    snapshot,
-)
-
-SPI = int(Determinism.SEED_PATH_INVARIANT)
 PROMPT = list(range(1, 23))  # 22 tokens: 5 whole pages of 4 and 2 more
-
-
-class Driver:
-    """Plans for one executor, numbered in order."""
-
-    def __init__(self, ex):
-        self.ex = ex
-        self.seq = 0
-        self.tag = 0
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def op(self, **msg):
-        return self.ex.op({"op_id": 7, **msg})
-
-    def lease(self, tokens, ttl: int = 4, **kw):
-        return self.op(op="LEASE_SEED", tokens=list(tokens), ttl_ticks=ttl, **kw)
-
-    def plan(self, **kw) -> PlanBuilder:
-        return PlanBuilder(self.next_seq(), prefill_token_budget=BIG_BUDGET, **kw)
-
-    def admit(self, prompt, *, seed: int = 0, value: int = 0, n: int = 6, sampling: int = SAMPLE,
-              params=None, evict: bool = False, det: int = SPI):
-        """Admit, prefill from `value`, decode n: (tag, result)."""
-        self.tag += 1
-        b = self.plan()
-        if evict:
-            b.evictable_cache_classes, b.max_evict_bytes = int(CacheClass.RESIDENT_PREFIX_CLASS), 1 << 40
-        b.admit(self.tag, put(self.ex, prompt), sampling=sampling,
-                params=params or sampling_params(temperature=0.9, top_k=20), rng_counter_base=100,
-                seed_handle=seed, determinism_class=det)
-        if value < len(prompt):
-            b.prefill(self.tag, value, len(prompt) - value)
-        if n:
-            b.decode(self.tag, n)
-        return self.tag, self.ex.tick(b.build())
-
-    def serve(self, prompt, *, publish: bool = True, **kw) -> list[int]:
-        """A whole request: admit, decode, retire (publishing): its tokens."""
-        tag, r = self.admit(prompt, **kw)
-        assert r.ok, r.message
-        toks = emitted(self.ex, emit_of(r, tag))
-        r2 = self.ex.tick(self.plan().retire(tag, publish_to_cache=publish).build())
-        assert r2.ok, r2.message
-        check_invariants(self.ex)
-        return toks
-
-
-def exe(**kw):
-    ex_kw = {k: kw.pop(k) for k in ("host_cache_bytes", "cache_max_bytes", "max_leases") if k in kw}
-    return Driver(make_executor(fake(eos_rate=0.0, **kw), **ex_kw))
 
 
 def plain_tokens(prompt, n: int = 6, **kw) -> list[int]:
@@ -315,7 +250,7 @@ def test_exact_only_checkpoint_seeds_the_resent_prompt():
 # ------------------------------------------------------------ the host tier
 
 
-def _pushed_to_host(**kw) -> Driver:
+def _pushed_to_host(**kw) -> LeaseDriver:
     """PROMPT's entry (28 cells) evicted from a 48-cell pool by a second request."""
     d = exe(cells_total=48, **kw)
     d.serve(PROMPT)

@@ -19,8 +19,8 @@ from superfluid.engine import load
 from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
 from superfluid.executor.executor import Executor
 from superfluid.executor.tick import CHECKPOINT_MIN_TOKENS
-
-from tests.executor.conftest import BIG_BUDGET, check_invariants, emit_of, emitted, leased_chat, put, small_rings
+from superfluid.testing.executor import BIG_BUDGET, emit_of, emitted, leased_chat, put, small_rings
+from superfluid.testing.invariants import check_invariants
 
 SPI = int(Determinism.SEED_PATH_INVARIANT)
 SAMPLE = int(Sampling.GPU_SAMPLE)

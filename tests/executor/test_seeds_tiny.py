@@ -17,8 +17,8 @@ from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine import load
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
-
-from tests.executor.conftest import BIG_BUDGET, check_invariants, emit_of, emitted, leased_chat, put, small_rings
+from superfluid.testing.executor import BIG_BUDGET, emit_of, emitted, leased_chat, put, small_rings
+from superfluid.testing.invariants import check_invariants
 
 SPI = int(Determinism.SEED_PATH_INVARIANT)
 SAMPLE = int(Sampling.GPU_SAMPLE)

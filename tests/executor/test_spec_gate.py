@@ -9,9 +9,8 @@ from __future__ import annotations
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor import spec_gate as sg
 from superfluid.executor.spec import StrategyTable
-
-from tests.executor.conftest import make_executor
-from tests.executor.test_spec import Cycler, Driver, Req, install
+from superfluid.testing.executor import make_executor
+from superfluid.testing.speculation import Cycler, Driver, Req, install
 
 
 def feed(w: sg.GateWindow, n: int, draft_spt: float, plain_spt: float) -> list[bool]:

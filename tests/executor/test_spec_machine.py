@@ -17,10 +17,10 @@ from hypothesis.stateful import initialize, rule, run_state_machine_as_test
 from superfluid.abi import OpStatus
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor
-
-from tests.executor.conftest import Planner, small_rings
-from tests.executor.test_spec import clock
-from tests.executor.test_tick_machine import CONFIGS, TickMachine
+from superfluid.testing.executor import small_rings
+from superfluid.testing.planner import Planner
+from superfluid.testing.speculation import clock
+from superfluid.testing.tick_machine import CONFIGS, TickMachine
 
 # A tight pool; engine sampling; LENGTH finishes. Small vocabularies, so that the fake's random
 # continuations match their drafts now and then.

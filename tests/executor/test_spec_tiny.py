@@ -15,9 +15,8 @@ from superfluid.client.builder import sampling_params
 from superfluid.engine import load
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
-
-from tests.executor.conftest import GREEDY, SAMPLE, small_rings
-from tests.executor.test_spec import Driver, Req, clock, install
+from superfluid.testing.executor import GREEDY, SAMPLE, small_rings
+from superfluid.testing.speculation import Driver, Req, clock, install
 
 SPI = int(Determinism.SEED_PATH_INVARIANT)
 # A prompt whose greedy continuation (seed 13) repeats 3-grams of itself soon.

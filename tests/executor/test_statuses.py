@@ -21,18 +21,8 @@ from superfluid.abi import (
 from superfluid.abi.records import RingRef
 from superfluid.client.builder import PlanBuilder
 from superfluid.executor.rings import LocalRings
-
-from tests.executor.conftest import (
-    BIG_BUDGET,
-    admit_and_prefill,
-    assert_reject,
-    check_invariants,
-    emit_of,
-    fake,
-    make_executor,
-    put,
-    snapshot,
-)
+from superfluid.testing.executor import BIG_BUDGET, admit_and_prefill, emit_of, fake, make_executor, put
+from superfluid.testing.invariants import assert_reject, check_invariants, snapshot
 
 IC = Status.RejectIllegalCombination
 

@@ -8,8 +8,8 @@ from superfluid.abi import Status
 from superfluid.client.builder import PlanBuilder
 from superfluid.executor import Executor, SegmentRings
 from superfluid.executor.worker import Worker
-from tests.executor.conftest import admit_and_prefill, fake, make_executor
-from tests.rings.heads_up import woken_by
+from superfluid.testing.executor import admit_and_prefill, fake, make_executor
+from superfluid.testing.heads_up import woken_by
 
 
 def _counting(ex: Executor) -> list[int]:

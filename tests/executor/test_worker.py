@@ -13,12 +13,10 @@ import pytest
 from superfluid.abi import MsgKind, OpStatus, PlanFlag, Status, WorkerState, codec
 from superfluid.client import PlanBuilder
 from superfluid.executor.control import STOP
-from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.rings.segment import Segment
+from superfluid.testing.executor import WORKER_SEGMENT
 
 FORK = mp.get_context("fork")
-CFG = SegmentConfig(plan_slots=4, plan_slot_bytes=16384, event_slots=4, event_slot_bytes=65536, op_slots=8,
-                    op_slot_bytes=4096, stream_slots=64, stream_slot_bytes=64, prompt_tokens=4096, emit_tokens=4096,
-                    logits_floats=1 << 14)
 
 
 def _serve(name: str, epoch: int, fatal_after: int | None, fault_injection: bool, control_fd: int) -> None:
@@ -40,7 +38,7 @@ def worker(seg_name):
     procs = []
 
     def start(*, fatal_after=None, fault_injection=False):
-        seg = Segment.create(seg_name, 0, CFG)
+        seg = Segment.create(seg_name, 0, WORKER_SEGMENT)
         epoch = seg.bump_epoch()
         ours, theirs = socket.socketpair()
         p = FORK.Process(target=_serve, args=(seg_name, epoch, fatal_after, fault_injection, theirs.fileno()))
@@ -194,7 +192,7 @@ def test_completions_that_overflow_a_tick_go_in_the_next_messages(seg_name):
     from superfluid.executor import Executor, SegmentRings
     from superfluid.executor.worker import Worker
 
-    seg = Segment.create(seg_name, 0, CFG)
+    seg = Segment.create(seg_name, 0, WORKER_SEGMENT)
     try:
         ex = Executor(FakeRuntime(vocab_size=64, max_seq_len=128, page=4), SegmentRings(seg), epoch=1)
         w = Worker(seg, ex, epoch=1)

@@ -5,34 +5,19 @@ its cases are small, with small blocks so the multi-block paths run."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from superfluid.kernels.rng import position_to_int64
 from superfluid.engine.sampling import sample, sample_u
 from superfluid.kernels import sampling as ks
+from superfluid.kernels.rng import position_to_int64
 from superfluid.kernels.sampling import sample_torch
+from superfluid.testing.kernels import KDEV, U64, needs_triton
 
 INF = float("inf")
 NAN = float("nan")
-U64 = 2**64 - 1
-
-
-def _kernel_device() -> str | None:
-    """Where the kernel can run here: the interpreter takes CPU tensors."""
-    if ks.triton is None:
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else None
-
-
-KDEV = _kernel_device()
-needs_triton = pytest.mark.skipif(KDEV is None, reason="no triton, or no GPU and no interpreter")
 
 
 def _host(rows: np.ndarray, T, K, P, M, pos) -> list[int]:

@@ -13,19 +13,7 @@ import torch
 from superfluid.engine.sampling import apply_bitmask, greedy, mask_allowed, sample
 from superfluid.kernels import sampling as ks
 from superfluid.kernels.sampling import sample_torch
-
-from tests.kernels.test_sampling_kernel import KDEV, U64, needs_triton
-
-
-def random_masks(rng: np.random.Generator, n: int, V: int, density: float) -> np.ndarray:
-    """int32 [n, ceil(V/32)] masks allowing about `density` of the tokens, at least one each;
-    the bits past V are set too (they must be ignored)."""
-    keep = rng.random((n, V)) < density
-    keep[np.arange(n), rng.integers(0, V, n)] = True
-    W = (V + 31) // 32
-    full = np.ones((n, W * 32), dtype=bool)
-    full[:, :V] = keep
-    return np.packbits(full, axis=1, bitorder="little").view("<i4").reshape(n, W).astype(np.int32)
+from superfluid.testing.kernels import KDEV, U64, needs_triton, random_masks
 
 
 def _batch(rng, B, V):

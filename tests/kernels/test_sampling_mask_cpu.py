@@ -12,8 +12,7 @@ import torch
 from superfluid.engine.sampling import mask_allowed
 from superfluid.kernels import cpu
 from superfluid.kernels.sampling import apply_bitmask_torch, sample_torch
-
-from tests.kernels.test_sampling_mask import random_masks
+from superfluid.testing.kernels import random_masks
 
 
 def _rows(rng, B, V):

@@ -11,7 +11,7 @@ import pytest
 
 from superfluid.abi import lib
 from superfluid.rings.queue import QueueTimeout
-from tests.rings.heads_up import woken_by
+from superfluid.testing.heads_up import woken_by
 
 
 def test_a_heads_up_wakes_a_sleeping_consumer_which_sleeps_again_if_nothing_comes(segment):

@@ -49,7 +49,7 @@ fn a_rust_planner_gets_the_python_clients_tokens() {
         name = d.1,
         prompt = prompt
     );
-    let out = Command::new(&py).args(["-c", &script]).output().expect("python");
+    let out = Command::new(&py).args(["-P", "-c", &script]).output().expect("python");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let theirs: Vec<u32> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(|t| t.parse().unwrap()).collect();
     assert_eq!(mine, theirs);

@@ -119,7 +119,7 @@ func start(py string, args []string) (*Daemon, error) {
 		return nil, err
 	}
 	d := &Daemon{Name: fmt.Sprintf("go%d-%d", os.Getpid(), atomic.AddInt64(&serial, 1)), ShmDir: dir, Python: py}
-	d.cmd = exec.Command(py, append([]string{"-m", "superfluid", "serve", "--name", d.Name, "--log-level",
+	d.cmd = exec.Command(py, append([]string{"-P", "-m", "superfluid", "serve", "--name", d.Name, "--log-level",
 		"WARNING"}, args...)...)
 	d.cmd.Env = append(os.Environ(), "SUPERFLUID_SHM_DIR="+dir)
 	d.cmd.Stdout, d.cmd.Stderr = &d.log, &d.log
@@ -209,7 +209,8 @@ func (d *Daemon) PythonCode(t testing.TB, code string) string {
 
 func (d *Daemon) run(t testing.TB, args ...string) string {
 	var stdout, stderr bytes.Buffer
-	cmd := exec.Command(d.Python, args...)
+	// -P: the working directory never shadows an installed package (see the README).
+	cmd := exec.Command(d.Python, append([]string{"-P"}, args...)...)
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("%s %s: %v\n%s", d.Python, strings.Join(args, " "), err, stderr.String())
@@ -241,7 +242,7 @@ func ParseOutput(t testing.TB, s string) *workload.Output {
 // TinyModelDir is the embedded tiny checkpoint (written once, then cached).
 func TinyModelDir(t testing.TB) string {
 	py := Python(t)
-	out, err := exec.Command(py, "-c",
+	out, err := exec.Command(py, "-P", "-c",
 		"from superfluid.engine.tiny import default_model_dir; print(default_model_dir())").Output()
 	if err != nil {
 		t.Fatalf("default_model_dir: %v", err)

@@ -32,7 +32,7 @@ pub fn python() -> Option<String> {
 /// `superfluid serve --name NAME ARGS...` (the tiny model unless --fake).
 pub fn serve(py: &str, name: &str, args: &[&str]) -> Daemon {
     let child = Command::new(py)
-        .args(["-m", "superfluid", "serve", "--name", name, "--log-level", "WARNING", "--restart-backoff", "0.05"])
+        .args(["-P", "-m", "superfluid", "serve", "--name", name, "--log-level", "WARNING", "--restart-backoff", "0.05"])
         .args(args)
         .spawn()
         .expect("superfluid serve");
@@ -49,7 +49,7 @@ pub fn python_plan(py: &str, name: &str, workload: &Value) -> Value {
     let path = std::env::temp_dir().join(format!("sf-workload-{name}-{}.json", std::process::id()));
     std::fs::write(&path, workload.to_string()).unwrap();
     let out = Command::new(py)
-        .args(["-m", "superfluid", "plan", "--name", name, "--timeout", "300"])
+        .args(["-P", "-m", "superfluid", "plan", "--name", name, "--timeout", "300"])
         .arg(&path)
         .output()
         .expect("superfluid plan");

@@ -8,7 +8,6 @@ import time
 
 from superfluid.abi import ffi, lib
 
-
 # How long the consumer must be seen awake to count as spinning (a consumer
 # that went straight back to sleep is awake for microseconds).
 SPUN_S = 0.0003

@@ -49,8 +49,8 @@ from superfluid.engine.runtime import (
     RuntimeDescription,
     RuntimeFailure,
     SampleSpec,
-    Unsupported,
     UnknownSequence,
+    Unsupported,
 )
 
 
