@@ -10,18 +10,26 @@ $SUPERFLUID_SHM_DIR), starts the workers, restarts one that dies (after a
 backoff doubling from --restart-backoff), gives up on one that fails
 --crash-loop times within the window. SIGTERM or SIGINT: stop the workers,
 remove the segments, exit 0. SIGHUP: retry the workers that gave up.
-Exits 1 when every worker gave up, 2 on bad options.
+Before anything starts, the checkpoint (config, every tensor's header) and
+the options are checked, and the memory they imply against the machine
+(daemon/preflight.py). Exits 1 when every worker gave up; 2 on a bad option,
+a checkpoint that cannot load or sizes the machine cannot hold (at once, one
+line naming it), or a worker that failed to load for a reason a restart
+cannot change (its message is in the log).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 
 from superfluid.daemon.status import DEFAULT_NAME
-from superfluid.daemon.worker import add_runtime_args, model_vocab, runtime_options
+from superfluid.daemon.worker import add_runtime_args
+from superfluid.rings.segment import NAME_RE
 
 log = logging.getLogger("superfluid.daemon")
 
@@ -56,6 +64,13 @@ def _port(s: str) -> int:
     return v
 
 
+def _name(s: str) -> str:
+    if not NAME_RE.match(s):
+        raise argparse.ArgumentTypeError(f"{s!r}: 1-31 characters of [A-Za-z0-9_.-], starting with a letter "
+                                         "or digit (it names the segments)")
+    return s
+
+
 def parse_crash_loop(s: str) -> tuple[int, float]:
     """'5/60' -> (5, 60.0): give up after 5 failures within 60 s."""
     try:
@@ -83,6 +98,7 @@ def runtime_argv(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from superfluid.daemon.preflight import Refused, check
     from superfluid.daemon.supervisor import Daemon, segment_config_for
     from superfluid.rings.errors import SegmentError
 
@@ -92,7 +108,6 @@ def main(args: argparse.Namespace) -> int:
         if args.model:
             print("superfluid serve: --fake and --model exclude each other", file=sys.stderr)
             return 2
-        vocab = args.fake_vocab
     else:
         if args.model is None:
             from superfluid.engine.tiny import default_model_dir
@@ -102,24 +117,37 @@ def main(args: argparse.Namespace) -> int:
             print(f"superfluid serve: --model {args.model}: no such directory", file=sys.stderr)
             return 2
         args.model = os.path.abspath(args.model)  # the workers get the very same checkpoint
-        try:
-            vocab = model_vocab(args.model)
-            runtime_options(args, args.model)  # e.g. --dtype bf16 for a Mamba2 model
-        except (OSError, ValueError) as e:
-            # Every worker would fail the same way and crash-loop: say it once, up front.
-            print(f"superfluid serve: --model {args.model}: {e}", file=sys.stderr)
-            return 2
+    # Until the daemon handles signals itself (Daemon.start), a SIGTERM ends
+    # the checks at once, as a stop: nothing is made yet but the state directory.
+    signal.signal(signal.SIGTERM, _stop_now)
+    made_state_dir = False
     try:
-        daemon = Daemon(
-            args.name, runtime_argv(args), workers=args.workers,
-            segment_config=segment_config_for(vocab, args.max_batch), fault_injection=args.fault_injection,
-            restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
-            crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port)
-        daemon.start()
-    except (SegmentError, ValueError, OSError) as e:
-        print(f"superfluid serve: {e}", file=sys.stderr)
-        return 1
-    return daemon.serve_forever()
+        try:
+            # Every worker would fail the same way and crash-loop: say it once, up front.
+            ok = check(args)
+        except Refused as e:
+            print(f"superfluid serve: {e}", file=sys.stderr)
+            return 2
+        made_state_dir = ok.made_state_dir
+        try:
+            daemon = Daemon(
+                args.name, runtime_argv(args), workers=args.workers,
+                segment_config=segment_config_for(ok.vocab, args.max_batch), fault_injection=args.fault_injection,
+                restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
+                crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port)
+            daemon.start()
+        except (SegmentError, ValueError, OSError) as e:
+            print(f"superfluid serve: {e}", file=sys.stderr)
+            return 1
+        return daemon.serve_forever()
+    finally:
+        if made_state_dir:
+            with contextlib.suppress(OSError):  # kept when an export left a file in it
+                os.rmdir(args.state_dir)
+
+
+def _stop_now(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,7 +155,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(p)
     p.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default 1)")
-    p.add_argument("--name", default=DEFAULT_NAME, help=f"the daemon's name, in segment names (default {DEFAULT_NAME!r})")
+    p.add_argument("--name", type=_name, default=DEFAULT_NAME, help=f"the daemon's name, in segment names (default {DEFAULT_NAME!r})")
     p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT (tests)")
     p.add_argument("--restart-backoff", type=_seconds, default=1.0,
                    help="seconds before restarting a dead worker, doubled per recent failure (default 1)")

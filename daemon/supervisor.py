@@ -61,8 +61,10 @@ EXIT_REASONS = {
     0: "it left though not asked to stop",
     2: "bad arguments, or a segment it cannot open",
     3: "the model would not load",
+    4: "the model or its options can never be served: a restart would fail the same way",
     70: "the runtime failed fatally",
 }
+EXIT_UNSERVABLE = 4  # the daemon stops: restarting it could not help
 EXIT_SPAWN_FAILED = 127  # the worker process could not be started at all
 READY_CHECK_S = 0.05  # how often a STARTING worker's state is looked at
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
@@ -207,6 +209,7 @@ class Daemon:
         self._finished = False
         self._metrics: MetricsServer | None = None
         self.counters = DaemonCounters()  # how workers ended, for worker_exits_total
+        self.unservable = False  # a worker exited EXIT_UNSERVABLE: serve_forever returns 2
 
     # --------------------------------------------------------------- public
 
@@ -236,11 +239,14 @@ class Daemon:
             self._sel = selectors.DefaultSelector()
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-            # From here a SIGTERM is only noted (serve_forever acts on it), so one
-            # during start-up cannot leave segments or workers behind.
+            # From here a SIGTERM is noted, not fatal: start-up looks for one
+            # between steps and stops making segments and workers at once;
+            # serve_forever then removes what was made.
             self._restore_signals = self._install_signals()
             self._check_no_live_daemon()
             for i in range(self.n_workers):
+                if self._stop_pending():
+                    return
                 seg = Segment.create(self.name, i, self.segment_config, replace=True)
                 seg.header.fault_injection = int(self.fault_injection)
                 self._workers.append(_Worker(i, seg, metrics=WorkerMetrics.create(f"{self.name}.{i}")))
@@ -251,6 +257,8 @@ class Daemon:
             if self.metrics_port is not None:
                 self._start_metrics()
             for w in self._workers:
+                if self._stop_pending():
+                    return
                 self._spawn(w)
         except BaseException:
             self._shutdown(kill_now=True)
@@ -258,8 +266,9 @@ class Daemon:
             raise
 
     def serve_forever(self) -> int:
-        """Supervise until stopped (returns 0) or until every worker was
-        given up on (returns 1). Handles SIGTERM/SIGINT/SIGHUP when called on
+        """Supervise until stopped (returns 0), until every worker was given
+        up on (returns 1) or until a worker could never serve (EXIT_UNSERVABLE:
+        returns 2). Handles SIGTERM/SIGINT/SIGHUP when called on
         the main thread and handle_signals is set."""
         if not self._started or self._finished:
             raise RuntimeError("Daemon.serve_forever(): call start() first, once")
@@ -273,6 +282,8 @@ class Daemon:
                     status = 1
                     break
             self._drain()
+            if self.unservable:
+                status = 2
         finally:
             self._shutdown(kill_now=True)  # nothing left to do after a drain; after an error, no orphans
             restore()
@@ -353,6 +364,11 @@ class Daemon:
             self._stopping = True
         elif signum == signal.SIGHUP:
             self._retry_given_up()
+
+    def _stop_pending(self) -> bool:
+        """Whether a SIGTERM/SIGINT (or stop()) came during start(): read now, not after it."""
+        self._read_wakeups()
+        return self._stopping or self._stop_requested
 
     def _install_signals(self) -> Callable[[], None]:
         if not self.handle_signals or threading.current_thread() is not threading.main_thread():
@@ -469,6 +485,15 @@ class Daemon:
         h = w.seg.header
         h.last_exit_status = status
         self.counters.exited(w.index, "spawn_failed" if status == EXIT_SPAWN_FAILED else exit_reason(status))
+        if status == EXIT_UNSERVABLE:
+            w.gave_up = True
+            w.seg.set_worker_state(WorkerState.GAVE_UP)
+            self._notice(w, WorkerState.GAVE_UP)
+            log.error("worker %d cannot serve this model or these options (its message is above): a restart "
+                      "would fail the same way; the daemon stops", w.index)
+            self.unservable = True
+            self._stopping = True
+            return
         now = time.monotonic()
         n, window = self.crash_loop
         w.failures.append(now)

@@ -20,14 +20,16 @@ arguments or a segment it cannot open, 3 the model would not load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 from collections.abc import Callable
 
+from superfluid.engine.checkpoint import model_type, raw_config
+
 EXIT_BAD_ARGS = 2
-EXIT_LOAD = 3
+EXIT_LOAD = 3  # the model would not load this time (a restart may)
+EXIT_UNSERVABLE = 4  # the model or the options can never be served here: a restart would fail the same way
 
 
 def build_runtime(args: argparse.Namespace):
@@ -49,22 +51,13 @@ def build_runtime(args: argparse.Namespace):
 MAMBA2 = "mamba2"
 
 
-def model_type(model: str) -> str | None:
-    """config.json's model_type (None where it cannot be read: the loader then says what is wrong)."""
-    try:
-        kind = _raw_config(model).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return kind if isinstance(kind, str) else None
-
-
 def model_vocab(model: str) -> int:
     """The checkpoint's vocabulary (it sizes the logits ring). ValueError when
     the config cannot be read or is not one we load."""
     if model_type(model) == MAMBA2:
         from superfluid.engine.mamba2 import Mamba2Config
 
-        return Mamba2Config.from_dict(_raw_config(model)).vocab_size
+        return Mamba2Config.from_dict(raw_config(model)).vocab_size
     from superfluid.engine.config import load_config
 
     return load_config(model).vocab_size
@@ -92,19 +85,11 @@ def runtime_options(args: argparse.Namespace, model: str) -> dict:
         from superfluid.engine.mamba2 import Mamba2Config
         from superfluid.engine.mamba2_state import StatePool
 
-        slot = StatePool.slot_bytes(Mamba2Config.from_dict(_raw_config(model)))
+        slot = StatePool.slot_bytes(Mamba2Config.from_dict(raw_config(model)))
         if state_bytes < slot:
             raise ValueError(f"--state-bytes {state_bytes}: less than one sequence's state ({slot} bytes)")
     # None: the runtime's default, one slot per --max-seqs sequence (64 when that is 0).
     return dict(common, state_bytes=state_bytes or None)
-
-
-def _raw_config(model: str) -> dict:
-    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{model}/config.json: not a JSON object")
-    return raw
 
 
 _PAGE_DEFAULT = 16
@@ -159,10 +144,31 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-cache-bytes", type=_at_least(0), default=1 << 30,
                    help="host memory for prefixes evicted from the pool, 0 = none (default 1 GiB)")
     p.add_argument("--max-leases", type=_at_least(1), default=1024, help="seed leases at once (default 1024)")
+    p.add_argument("--state-dir", help="the folder op paths (EXPORT_ENTRY, IMPORT_STATE) may name; serve: "
+                   "default $SUPERFLUID_SHM_DIR (or /dev/shm)/superfluid.NAME.state, made mode 0700; a worker "
+                   "without one takes no paths")
     p.add_argument("--threads", type=_at_least(0), default=0,
                    help="threads per worker (default: torch's choice): a transformer on the CPU runs our "
                         "kernels on them and torch's own ops on one; else torch's. Keep workers x threads at or "
                         "under the free cores")
+
+
+def check_servable(args: argparse.Namespace) -> None:
+    """ValueError naming the option or field when the checkpoint could never
+    load or its sizes are more than this machine has (whoever started us;
+    `serve` checked the same before it did)."""
+    if args.fake:
+        return
+    from superfluid.daemon.preflight import Machine, Refused, check_memory
+    from superfluid.engine.sizing import plan_load
+    from superfluid.engine.tiny import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    needs = plan_load(model, args.backend, **runtime_options(args, model))
+    try:
+        check_memory(needs, Machine.here(gpu=any(n.on_device for n in needs)))
+    except Refused as e:
+        raise ValueError(str(e)) from None
 
 
 def thread_layout(args: argparse.Namespace) -> None:
@@ -229,13 +235,21 @@ def main(argv: list[str] | None = None) -> int:
         metrics = WorkerMetrics.from_fd(args.metrics_fd)
     thread_layout(args)
     try:
+        check_servable(args)
         runtime = build_runtime(args)
-    except Exception as e:  # any load failure: the daemon logs it and counts it as a crash
+    except ValueError as e:  # ConfigError, WeightError, an option or size the model or machine cannot take
+        print(f"superfluid worker: cannot serve this model: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_UNSERVABLE
+    except Exception as e:  # a file gone, memory others hold: the daemon counts it as a crash and restarts
         print(f"superfluid worker: cannot load the runtime: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_LOAD
-    ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
-                  fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
-                  host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases)
+    try:
+        ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
+                      fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
+                      host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases, state_dir=args.state_dir)
+    except OSError as e:  # the state directory
+        print(f"superfluid worker: --state-dir {args.state_dir}: {e.strerror}", file=sys.stderr)
+        return EXIT_UNSERVABLE
     return Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
 
 

@@ -580,6 +580,9 @@ class FakeRuntime(Runtime):
         self.stats.exports += 1
         return _BLOB.pack(_MAGIC, _VERSION, 0, self._fingerprint, len(s.tokens), zlib.crc32(body)) + body
 
+    def export_bytes_max(self) -> int:
+        return _BLOB.size + 4 * (self.desc.max_seq_len + 1)
+
     def _parse(self, data: bytes) -> tuple[list[int], int]:
         """The tokens of a blob this model exported and how many trailing ones
         decode fed; OutOfBounds on anything else."""

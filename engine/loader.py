@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import torch
 
+from superfluid.engine.checkpoint import model_type, raw_config
 from superfluid.engine.config import load_config
 from superfluid.engine.model import Model
 from superfluid.engine.runtime import Runtime
@@ -27,14 +29,6 @@ def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
     return text, {t["content"]: int(t["id"]) for t in added if t.get("special")}
 
 
-def _model_type(path: str) -> str | None:
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # load_config names what is wrong
-
-
 def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None = None,
          dtype: torch.dtype | str | None = None, invariant: bool = True, max_seq_len: int | None = None,
          **pool_options) -> Runtime:
@@ -47,7 +41,7 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
     chunk_size)."""
     path = os.fspath(path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if _model_type(path) == "mamba2":
+    if model_type(path) == "mamba2":
         return _load_mamba2(path, backend, dev, dtype, invariant, max_seq_len, pool_options)
     cfg = load_config(path)
     if isinstance(dtype, str):
@@ -59,10 +53,35 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
     if cfg.sliding_window:
         # Within the window, sliding-window attention is full attention: stay there.
         limit = min(limit, cfg.sliding_window)
-    model = Model(cfg, weights, get_backend(backend, invariant, dev), device=dev, dtype=dtype,
-                  max_seq_len=min(max_seq_len or limit, limit))
+    n = min(max_seq_len or limit, limit)
+    with _allocating(f"the weights and RoPE tables (max_seq_len {n})"):
+        model = Model(cfg, weights, get_backend(backend, invariant, dev), device=dev, dtype=dtype, max_seq_len=n)
     tokenizer_json, specials = _tokenizer(path)
-    return TransformerRuntime(model, specials=specials, tokenizer_json=tokenizer_json, **pool_options)
+    pool = ", ".join(f"{k} {v}" for k, v in pool_options.items() if k in ("kv_cells", "page", "max_batch"))
+    with _allocating(f"the KV pool ({pool or 'the defaults'})"):
+        return TransformerRuntime(model, specials=specials, tokenizer_json=tokenizer_json, **pool_options)
+
+
+class AllocationError(RuntimeError):
+    """An allocation of load() failed: it names what asked for it."""
+
+
+@contextlib.contextmanager
+def _allocating(what: str):
+    """An allocator's failure (torch's RuntimeError, MemoryError) as an AllocationError naming `what`."""
+    try:
+        yield
+    except MemoryError as e:
+        raise AllocationError(f"{what}: out of memory ({e or 'MemoryError'})") from None
+    except RuntimeError as e:
+        if isinstance(e, AllocationError) or not _is_allocation(e):
+            raise
+        raise AllocationError(f"{what}: {e}") from None
+
+
+def _is_allocation(e: RuntimeError) -> bool:
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "alloc" in text or "out of memory" in text
 
 
 def _load_mamba2(path: str, backend: str, dev: torch.device, dtype, invariant: bool, max_seq_len: int | None,
@@ -81,8 +100,7 @@ def _load_mamba2(path: str, backend: str, dev: torch.device, dtype, invariant: b
         raise ValueError("the Mamba2 runtime has no non-invariant path")
     # A paged runtime's pool options mean nothing to a state pool (sized by state_bytes).
     options = {k: v for k, v in options.items() if k not in ("kv_cells", "page")}
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = raw_config(path)
     cfg = Mamba2Config.from_dict(raw)
     weights = _load_weights(Path(path), cfg)
     eos = raw.get("eos_token_id")
@@ -92,5 +110,7 @@ def _load_mamba2(path: str, backend: str, dev: torch.device, dtype, invariant: b
     tokenizer_json, specials = _tokenizer(path)
     if max_seq_len is not None:
         options["max_seq_len"] = max_seq_len
-    return Mamba2Runtime(cfg, weights, backend=backend, device=dev, eos=eos, specials=specials,
-                         tokenizer_json=tokenizer_json, **options)
+    sizes = ", ".join(f"{k} {v}" for k, v in options.items() if k in ("state_bytes", "max_seqs", "max_batch"))
+    with _allocating(f"the state pool ({sizes or 'the defaults'})"):
+        return Mamba2Runtime(cfg, weights, backend=backend, device=dev, eos=eos, specials=specials,
+                             tokenizer_json=tokenizer_json, **options)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from superfluid.engine.weights import WeightError, _tensor_files
+from superfluid.engine.weights import WeightError, _tensor_files, check_headers
 
 __all__ = ["Mamba2Config", "Mamba2Model", "Mamba2State", "WeightError"]
 
@@ -250,9 +250,10 @@ class Mamba2Model:
         return out, new_conv, new_ssm
 
 
-def _load_weights(d: Path, cfg: Mamba2Config) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (fp32), every one the config implies, shapes checked from the
-    headers before any data is read; a missing, unexpected or misshapen tensor is named."""
+def check_weights(d: Path, cfg: Mamba2Config) -> dict[str, tuple[Path, str]]:
+    """Every tensor the config implies: our name -> (its file, its name there),
+    names, shapes and dtypes checked from the headers, no data read; a
+    missing, unexpected, misshapen or non-float tensor is named."""
     # Older exports call the embedding "backbone.embedding.weight" (HF's load hook renames it).
     alias = {"backbone.embedding.weight": "backbone.embeddings.weight"}
     stored = _tensor_files(d)
@@ -269,15 +270,20 @@ def _load_weights(d: Path, cfg: Mamba2Config) -> dict[str, torch.Tensor]:
     if extra:
         raise WeightError(f"{d}: unexpected tensor(s) {', '.join(map(repr, extra[:8]))} "
                           "(not implied by the Mamba2 config)")
-    for name, shape in want.items():
-        with safe_open(files[name], framework="pt", device="cpu") as f:
-            got = tuple(f.get_slice(src[name]).get_shape())
-        if got != shape:
-            raise WeightError(f"{files[name]}: tensor {name!r} has shape {got}, the config implies {shape}")
+    where = {name: (files[name], src[name]) for name in want}
+    check_headers(where, want)
+    return where
+
+
+def _load_weights(d: Path, cfg: Mamba2Config) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (fp32), every one the config implies, checked first (check_weights)."""
     out = {}
-    for name in want:
-        with safe_open(files[name], framework="pt", device="cpu") as f:
-            out[name] = f.get_tensor(src[name]).to(torch.float32)
+    for name, (file, stored) in check_weights(d, cfg).items():
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                out[name] = f.get_tensor(stored).to(torch.float32)
+        except OSError as e:
+            raise WeightError(f"{file}: cannot read ({e})") from None
     if cfg.tie_word_embeddings:
         # As transformers 5: a stored head is served only when it differs from the embedding.
         head = out.get("lm_head.weight")

@@ -300,6 +300,9 @@ class Mamba2Runtime(Runtime):
     def seq_export(self, seq: int) -> bytes:
         return self.pool.export(self._seq(seq), self._fp)
 
+    def export_bytes_max(self) -> int:
+        return self.pool.export_bytes_max(self.L)
+
     def seq_import(self, seq: int, data: bytes) -> int:
         s = self._seq(seq)
         if s.length:

@@ -111,6 +111,10 @@ class StatePool:
                           _LIVE_VALID if s.live_valid else 0, zlib.crc32(payload))
         return head + payload
 
+    def export_bytes_max(self, chunk: int) -> int:
+        """An export's size with the most tokens since its boundary (chunk - 1)."""
+        return _HEAD.size + 4 * (chunk - 1) + sum(t[:, 0].numel() * 4 for t in self._tensors())
+
     def parse(self, data, fingerprint: int, chunk: int, vocab: int, max_len: int
               ) -> tuple[int, list[int], bool, list[torch.Tensor]]:
         """A blob this model exported: (boundary, tokens since, live valid, the four states).

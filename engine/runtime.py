@@ -170,6 +170,10 @@ def check_masks(masks: TokenMasks | None, n_feeds: int, vocab_size: int) -> Toke
     return TokenMasks(bits, rows) if rows else None
 
 
+# What export_bytes_max allows for a blob's own header, by default.
+EXPORT_HEADER_BYTES = 4096
+
+
 class MemCounters(NamedTuple):
     """(A named tuple: the executor reads one every tick.)"""
 
@@ -254,6 +258,11 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def seq_import(self, seq: int, data: bytes) -> int:
         """Load exported cells into an empty sequence; the cells loaded."""
+
+    def export_bytes_max(self) -> int:
+        """The most bytes seq_export returns for any sequence (an import from a
+        file reads no more): by default the cells of the longest sequence and a header."""
+        return self.cell_bytes() * self.desc.max_seq_len + EXPORT_HEADER_BYTES
 
     @abc.abstractmethod
     def mem_counters(self) -> MemCounters:

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 
-__all__ = ["WeightError", "expected_shapes", "load_weights", "num_params", "INDEX_FILE"]
+__all__ = ["WeightError", "check_weights", "expected_shapes", "load_weights", "num_params", "INDEX_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some exports saved anyway; they are derived from the config.
@@ -68,18 +68,13 @@ def num_params(cfg: ModelConfig) -> int:
     return total
 
 
-def load_weights(path: str | Path, cfg: ModelConfig,
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by HF name, checked against `cfg` and cast to
-    `dtype` (default cfg.dtype). Sharded checkpoints are read through
-    model.safetensors.index.json when present, else every *.safetensors in
-    the directory. With tied embeddings "lm_head.weight" is the very tensor
-    of "model.embed_tokens.weight" (unless the checkpoint also stores a
-    different head, which transformers 5 then serves untied)."""
+def check_weights(path: str | Path, cfg: ModelConfig) -> dict[str, Path]:
+    """Every tensor `cfg` implies, by name, and the file holding it: each
+    file's header read and each tensor's name, shape and dtype checked, no
+    tensor data read. WeightError names the file and tensor that disagree."""
     d = Path(path)
     if not d.is_dir():
         raise WeightError(f"{d}: not a checkpoint directory")
-    dtype = cfg.dtype if dtype is None else dtype
     files = _tensor_files(d)  # name -> file holding it
     expected = expected_shapes(cfg)
     found = set(files)
@@ -99,26 +94,69 @@ def load_weights(path: str | Path, cfg: ModelConfig,
                           f"{', '.join(map(repr, unexpected[:8]))}{', ...' if len(unexpected) > 8 else ''} "
                           f"(not implied by the {cfg.arch} config)")
 
+    check_headers({name: (files[name], name) for name in to_read}, to_read)
+    return {name: files[name] for name in to_read}
+
+
+def check_headers(where: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Each tensor (our name -> (file, its name in the file)) has the shape
+    `shapes` says and a float dtype, read from the headers alone."""
     by_file: dict[Path, list[str]] = {}
-    for name in to_read:
-        by_file.setdefault(files[name], []).append(name)
-    # Every shape first, from the headers: a mismatch is refused before any data is read.
+    for name, (file, _) in where.items():
+        by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != to_read[name]:
-                    raise WeightError(f"{file}: tensor {name!r} has shape {shape}, "
-                                      f"the config implies {to_read[name]}")
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    view = f.get_slice(where[name][1])
+                    shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                    if shape != shapes[name]:
+                        raise WeightError(f"{file}: tensor {name!r} has shape {shape}, "
+                                          f"the config implies {shapes[name]}")
+                    if dtype not in FLOAT_DTYPES:
+                        raise WeightError(f"{file}: tensor {name!r} has dtype {_dtype_name(dtype)}, "
+                                          f"not a float type")
+        except WeightError:
+            raise
+        except Exception as e:  # safetensors raises its own types for bad headers; OSError for the file
+            raise WeightError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+# safetensors' header dtypes that are floating point.
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+def _dtype_name(dtype: str) -> str:
+    """A header dtype as torch names it: I32 -> int32, U8 -> uint8, BOOL -> bool."""
+    kinds = {"I": "int", "U": "uint", "F": "float"}
+    if dtype[:1] in kinds and dtype[1:].isdigit():
+        return kinds[dtype[0]] + dtype[1:]
+    return dtype.lower()
+
+
+def load_weights(path: str | Path, cfg: ModelConfig,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name, checked against `cfg` (check_weights:
+    a mismatch is refused before any data is read) and cast to `dtype`
+    (default cfg.dtype). Sharded checkpoints are read through
+    model.safetensors.index.json when present, else every *.safetensors in
+    the directory. With tied embeddings "lm_head.weight" is the very tensor
+    of "model.embed_tokens.weight" (unless the checkpoint also stores a
+    different head, which transformers 5 then serves untied)."""
+    dtype = cfg.dtype if dtype is None else dtype
+    files = check_weights(path, cfg)
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
     out: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                t = f.get_tensor(name)
-                if not t.is_floating_point():
-                    raise WeightError(f"{file}: tensor {name!r} has dtype {t.dtype}, not a float type")
-                out[name] = t.to(dtype)
-    ordered = {n: out[n] for n in expected}  # one order, whatever the shard layout
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    out[name] = f.get_tensor(name).to(dtype)
+        except OSError as e:
+            raise WeightError(f"{file}: cannot read ({e})") from None
+    ordered = {n: out[n] for n in expected_shapes(cfg)}  # one order, whatever the shard layout
     if cfg.tie_word_embeddings:
         head = out.get("lm_head.weight")
         embed = ordered["model.embed_tokens.weight"]

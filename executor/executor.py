@@ -29,6 +29,7 @@ from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
 from superfluid.executor.spec import StrategyTable
 from superfluid.executor.spec_gate import SpecGate
+from superfluid.executor.state_dir import StateDir
 from superfluid.executor.tick import Tick
 
 EXIT_FATAL = 70
@@ -71,12 +72,15 @@ class Executor:
     cache_max_bytes: what resident cache entries may hold (None: no limit;
     "auto": half the pool). host_cache_bytes: host memory for entries
     evicted from the pool (0: none). max_leases: seed leases at once.
+    state_dir: the folder op paths (EXPORT_ENTRY, IMPORT_STATE) may name
+    (state_dir.py); None: ops take no paths.
     """
 
     def __init__(self, runtime: Runtime, rings: TickRings | None = None, *, epoch: int = 0,
                  fault_injection: bool = False, fatal_exit: bool = False,
                  cache_max_bytes: int | str | None = AUTO, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-                 max_leases: int = DEFAULT_MAX_LEASES, clock: Callable[[], int] = time.perf_counter_ns):
+                 max_leases: int = DEFAULT_MAX_LEASES, clock: Callable[[], int] = time.perf_counter_ns,
+                 state_dir: str | os.PathLike | None = None):
         self.runtime = runtime
         self.desc = runtime.desc
         self.rings = rings or LocalRings()
@@ -94,6 +98,7 @@ class Executor:
         self.cache_max_bytes = cache_max_bytes
         self.host_cache_bytes = max(0, host_cache_bytes)
         self.leases = LeaseTable(self.cache, max_leases)
+        self.state_dir = StateDir(state_dir) if state_dir is not None else None
         self.last_plan_seq: int | None = None
         self.tick_count = 0
         self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias

@@ -6,14 +6,13 @@ lane, and a failure leaves the cache and the lease table as they were.
 
 from __future__ import annotations
 
-import os
-
 import msgpack
 
 from superfluid.abi import Determinism, OpStatus
 from superfluid.engine.runtime import CapacityError, FatalError, RuntimeFailure, Unsupported
 from superfluid.executor.op_fields import OpError, echo, handle, tokens, u32
 from superfluid.executor.seeds import EnvelopeError, SeedLease, find_prefix, unwrap, wrap
+from superfluid.executor.state_dir import StateDir
 
 # What an op completion may carry inline when the event slot's size is not
 # known (in-process there is no slot: no limit).
@@ -66,8 +65,11 @@ def release_seed(ex, msg: dict) -> tuple[int, int, bytes]:
 def export_entry(ex, msg: dict) -> tuple[int, int, bytes]:
     h = handle(msg)
     path = msg.get("path")
-    if path is not None and (not isinstance(path, str) or not path):
-        raise OpError(OpStatus.BadRequest, "field 'path': expected a file path")
+    overwrite = msg.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise OpError(OpStatus.BadRequest, f"field 'overwrite': expected a bool, got {echo(overwrite)}")
+    if path is not None:
+        _state_dir(ex).check(path)  # a bad path is refused before the export's work
     ex.sweep_leases()
     lease = ex.leases.get(h)
     if lease is None:
@@ -86,12 +88,7 @@ def export_entry(ex, msg: dict) -> tuple[int, int, bytes]:
     held = e.tokens
     blob = wrap(ex.desc.runtime_id, held, inner)
     if path is not None:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-        except OSError as err:
-            raise OpError(OpStatus.BadRequest, f"field 'path': cannot write {echo(path)}: {err.strerror}") from None
+        _state_dir(ex).write(path, blob, overwrite=overwrite)
         return h, len(blob), b""
     if ex.event_capacity is not None and len(blob) + _MSGPACK_SLACK > ex.event_capacity // 2:
         raise OpError(OpStatus.BadRequest, f"the blob is {len(blob)} bytes, more than an op completion carries "
@@ -99,30 +96,36 @@ def export_entry(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, len(blob), msgpack.packb({"blob": blob})
 
 
-def _read_blob(msg: dict) -> bytes:
+def _state_dir(ex) -> StateDir:
+    if ex.state_dir is None:
+        raise OpError(OpStatus.BadRequest, "field 'path': this executor has no state directory to hold files "
+                                           "(serve --state-dir; in process, Executor(state_dir=...))")
+    return ex.state_dir
+
+
+def _import_cap(ex) -> int:
+    """The most bytes an import from a file may read: the runtime's largest
+    export in its envelope (with the longest sequence's tokens)."""
+    envelope = len(wrap(ex.desc.runtime_id, (), b"")) + 4 * ex.desc.max_seq_len
+    return min(MAX_BLOB_FILE, envelope + ex.runtime.export_bytes_max())
+
+
+def _read_blob(ex, msg: dict) -> bytes:
     if "blob" in msg:
         b = msg["blob"]
         if not isinstance(b, (bytes, bytearray)):
             raise OpError(OpStatus.BadRequest, f"field 'blob': expected bytes, got {type(b).__name__}")
         return bytes(b)
-    path = msg.get("path")
-    if not isinstance(path, str) or not path:
+    if "path" not in msg:
         raise OpError(OpStatus.BadRequest, "field 'blob' or 'path' is missing")
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_BLOB_FILE:
-                raise OpError(OpStatus.BadRequest, f"field 'path': the file is larger than {MAX_BLOB_FILE} bytes")
-            return f.read()
-    except OSError as err:
-        raise OpError(OpStatus.BadRequest, f"field 'path': cannot read {echo(path)}: {err.strerror}") from None
+    return _state_dir(ex).read(msg["path"], _import_cap(ex))
 
 
 def import_state(ex, msg: dict) -> tuple[int, int, bytes]:
     toks = tokens(msg, "tokens", ex.desc.vocab_size)
     ttl = _ttl(msg)
     det = _class(msg)
-    blob = _read_blob(msg)
+    blob = _read_blob(ex, msg)
     try:
         rid, held, inner = unwrap(blob)
     except EnvelopeError as err:

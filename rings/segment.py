@@ -55,6 +55,12 @@ def segment_path(name: str, index: int) -> str:
     return os.path.join(shm_dir(), f"superfluid.{name}.{index}")
 
 
+def segment_bytes(cfg: "SegmentConfig") -> int:
+    """The size of a segment file made with `cfg`."""
+    cfg.check()
+    return _plan_layout(cfg)[1]
+
+
 def parse_segment_path(path: str) -> tuple[str, int] | None:
     """(name, index) of a path segment_path made, else None."""
     base = os.path.basename(path)

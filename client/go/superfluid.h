@@ -242,19 +242,28 @@ extern "C" {
  *   Whether drafting pays is measured (decode seconds per token with and without, per strategy and
  *   batch size); where it does not, lanes decode plainly and drafting is probed again later.
  *   Unsupported: the runtime has no step_rows or cannot truncate to any length (exact_only).
- * EXPORT_ENTRY  handle (required: a seed lease), path str (optional, non-empty). The lease's whole
- *   entry (all its tokens, not only the leased prefix) as a blob: the runtime's state wrapped with
- *   its runtime_id and tokens. value = blob bytes; payload {blob: bin}, or with path none: the
- *   worker writes the blob to that file (created mode 0600, or truncated). The lease stays.
- *   UnknownHandle; BadRequest: a path it cannot write, or no path and a blob of more than about
- *   half an event slot (Queue.slot_bytes / 2); Unsupported: the runtime cannot export it; Refused: fatal.
+ * EXPORT_ENTRY  handle (required: a seed lease), path str (optional; see op paths below),
+ *   overwrite bool (default false). The lease's whole entry (all its tokens, not only the leased
+ *   prefix) as a blob: the runtime's state wrapped with its runtime_id and tokens. value = blob
+ *   bytes; payload {blob: bin}, or with path none: the worker writes the blob to a new file there
+ *   (mode 0600); an existing one is replaced (by a rename) only with overwrite true. The lease stays.
+ *   UnknownHandle; BadRequest: a bad path, or no path and a blob of more than about half an event
+ *   slot (Queue.slot_bytes / 2); Unsupported: the runtime cannot export it; Refused: fatal.
  * IMPORT_STATE  tokens [u32] (required), ttl_ticks u32 >= 1 (required), determinism_class (as
- *   LEASE_SEED), and blob bin, or (when blob is absent) path str: a file of at most 2^36 bytes.
+ *   LEASE_SEED), and blob bin, or (when blob is absent) path str (see op paths below): a file of
+ *   at most the runtime's largest export (Runtime.export_bytes_max, in its envelope), read whole.
  *   The blob: an EXPORT_ENTRY blob of the same runtime_id. tokens: a prefix of the tokens it holds,
  *   cut down to whole pages (at least one page) on a paged runtime, exactly them on exact_only, at
  *   most max_seq_len. handle = a seed lease on the imported sequence (an admit uses it as a
  *   LEASE_SEED lease); value = tokens it covers. BadRequest: any of that; Capacity: the lease table
  *   is full, or the runtime has no room for the sequence; Refused: fatal.
+ * Op paths: a file in the worker's state directory (serve --state-dir; default
+ *   $SUPERFLUID_SHM_DIR/superfluid.NAME.state, made mode 0700 by the daemon), named relative to it
+ *   (folders inside it allowed) or by an absolute path inside it. The worker walks it component by
+ *   component without following symlinks and opens it without blocking: a path that leaves the
+ *   directory ('..', absolute elsewhere), a symlink, a FIFO, a device, a socket or a directory is
+ *   BadRequest naming 'path', as is a file larger than the import cap (whatever its st_size says).
+ *   An executor without a state directory (in process, by default) takes no paths.
  * INJECT_FAULT  lane_tag int (required), code (default SF_FAULT_INJECTED; one of SF_FAULT_*). The
  *   lane faults with that code (a LaneFault, detail 0) the next time a plan decodes it. value =
  *   lane_tag. Refused: the worker runs without fault injection (SegmentHeader.fault_injection 0);

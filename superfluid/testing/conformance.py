@@ -664,6 +664,7 @@ def check_export_import(f: RuntimeFactory) -> None:
                 with unchanged(rt, [a]):
                     blob = rt.seq_export(a)
                 assert isinstance(blob, bytes)
+                assert len(blob) <= rt.export_bytes_max(), (len(blob), rt.export_bytes_max())
                 b = ss.new()
                 used = rt.mem_counters().cells_used
                 assert rt.seq_import(b, blob) == len(h) == rt.seq_len(b)

@@ -5,13 +5,14 @@ is left."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from superfluid.daemon.status import read_status
-from superfluid.rings.segment import shm_dir
+from superfluid.rings.segment import parse_segment_path, shm_dir
 from superfluid.testing.launch import python
 
 WAIT_S = 60.0  # generous: a loaded 2-core CI box starts a worker in seconds, not milliseconds
@@ -26,7 +27,8 @@ def wait_for(pred: Callable[[], object], what: str, timeout: float = WAIT_S) -> 
 
 
 def segment_files(name: str) -> list[str]:
-    return [f for f in os.listdir(shm_dir()) if f.startswith(f"superfluid.{name}.")]
+    """The segment files of daemon `name` (not its state directory)."""
+    return [f for f in os.listdir(shm_dir()) if (parse_segment_path(f) or ("",))[0] == name]
 
 
 def state_of(name: str, index: int = 0) -> dict | None:
@@ -62,6 +64,8 @@ class Serve:
         wait_for(lambda: not live_workers(self.name), "workers to die with the daemon", 10)
         for f in segment_files(self.name):
             os.unlink(os.path.join(shm_dir(), f))
+        # A killed daemon leaves its default state directory (a stopped one removes it when empty).
+        shutil.rmtree(os.path.join(shm_dir(), f"superfluid.{self.name}.state"), ignore_errors=True)
 
 
 def live_workers(name: str) -> list[int]:

@@ -60,5 +60,5 @@ class LeaseDriver:
 
 
 def exe(**kw):
-    ex_kw = {k: kw.pop(k) for k in ("host_cache_bytes", "cache_max_bytes", "max_leases") if k in kw}
+    ex_kw = {k: kw.pop(k) for k in ("host_cache_bytes", "cache_max_bytes", "max_leases", "state_dir") if k in kw}
     return LeaseDriver(make_executor(fake(eos_rate=0.0, **kw), **ex_kw))

@@ -65,6 +65,7 @@ def test_helpers() -> None:
             parse_crash_loop(bad)
     assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
     assert describe_exit(3) == "exit 3 (the model would not load)"
+    assert describe_exit(4).startswith("exit 4 (the model or its options can never be served")
     assert describe_exit(42) == "exit 42"
     # The logits ring holds two steps of max_batch rows.
     assert segment_config_for(512, 64).logits_floats == SegmentConfig().logits_floats
@@ -167,12 +168,11 @@ def test_sigkilled_daemon_takes_its_workers_along(serve: Callable[..., Serve], s
 def test_crash_loop_gives_up_on_one_worker_and_serves_the_other(
         tmp_path: Path, seg_name: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="superfluid.daemon")
-    not_a_checkpoint = str(tmp_path)
 
     class OneBad(Daemon):
         def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
-            cmd = super().worker_command(index, segment, epoch)
-            return cmd[:-1] + ["--model", not_a_checkpoint] if index == 1 else cmd  # drop --fake: exit 3
+            # Worker 1 cannot open its segment (exit 2): a failure a restart might mend.
+            return super().worker_command(index, segment + ".gone" if index == 1 else segment, epoch)
 
     d = OneBad(seg_name, ["--fake"], workers=2, restart_backoff=0.05, crash_loop=(3, 60.0), stop_timeout=10.0,
                handle_signals=False)
@@ -184,10 +184,10 @@ def test_crash_loop_gives_up_on_one_worker_and_serves_the_other(
         good, bad = d.segments
         wait_for(lambda: bad.worker_state == WorkerState.GAVE_UP, "worker 1 to be given up on")
         wait_for(lambda: good.worker_state == WorkerState.READY, "worker 0 to be ready")
-        assert "worker 1 failed 3 times in 60 s (last: exit 3); giving up on it" in caplog.text
-        assert "exit 3 (the model would not load)" in caplog.text
-        assert bad.header.restarts == 2 and bad.header.last_exit_status == 3 and bad.epoch == 3
-        assert [(n.worker_state, n.exit_status) for n in notices(bad)][-1] == (WorkerState.GAVE_UP, 3)
+        assert "worker 1 failed 3 times in 60 s (last: exit 2); giving up on it" in caplog.text
+        assert "exit 2 (bad arguments, or a segment it cannot open)" in caplog.text
+        assert bad.header.restarts == 2 and bad.header.last_exit_status == 2 and bad.epoch == 3
+        assert [(n.worker_state, n.exit_status) for n in notices(bad)][-1] == (WorkerState.GAVE_UP, 2)
         assert good.epoch == 1 and good.header.restarts == 0
         assert t.is_alive()  # still serving worker 0
         # SIGHUP (its byte on the wake-up pipe, as the signal handler writes it) retries it.
@@ -201,24 +201,47 @@ def test_crash_loop_gives_up_on_one_worker_and_serves_the_other(
     assert segment_files(seg_name) == [] and live_workers(seg_name) == []
 
 
-def test_every_worker_gave_up_exits_1(serve: Callable[..., Serve], seg_name: str, tmp_path: Path) -> None:
-    from superfluid.engine.tiny import write_tiny
+def test_every_worker_gave_up_exits_1(seg_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="superfluid.daemon")
 
-    # A config the daemon reads, but no weights: every worker fails to load (exit 3).
-    broken = tmp_path / "no-weights"
-    write_tiny(broken, seed=0)
-    for f in broken.glob("*.safetensors"):
-        f.unlink()
-    d = serve(seg_name, "--model", str(broken), "--restart-backoff", "0.05", "--crash-loop", "2/60")
-    assert d.proc.wait(WAIT_S) == 1, d.log
-    assert "worker 0 failed 2 times in 60 s (last: exit 3); giving up on it" in d.log
-    assert "every worker gave up" in d.log
+    class AllBad(Daemon):
+        def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
+            return super().worker_command(index, segment + ".gone", epoch)  # exit 2, each time
+
+    d = AllBad(seg_name, ["--fake"], workers=2, restart_backoff=0.05, crash_loop=(2, 60.0), handle_signals=False)
+    d.start()
+    assert d.serve_forever() == 1
+    assert "worker 0 failed 2 times in 60 s (last: exit 2); giving up on it" in caplog.text
+    assert "every worker gave up" in caplog.text
+    assert segment_files(seg_name) == [] and live_workers(seg_name) == []
+
+
+def test_a_worker_that_can_never_serve_stops_the_daemon(seg_name: str, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A load failure no restart can mend (exit 4: here a directory with no config.json, which
+    `serve` refuses up front; the Daemon class starts what it is given) is not retried."""
+    caplog.set_level(logging.INFO, logger="superfluid.daemon")
+
+    class OneUnservable(Daemon):
+        def worker_command(self, index: int, segment: str, epoch: int) -> list[str]:
+            cmd = super().worker_command(index, segment, epoch)
+            return cmd[:-1] + ["--model", str(tmp_path)] if index == 1 else cmd  # drop --fake
+
+    d = OneUnservable(seg_name, ["--fake"], workers=2, restart_backoff=0.05, crash_loop=(5, 60.0),
+                      handle_signals=False)
+    d.start()
+    t0 = time.monotonic()
+    assert d.serve_forever() == 2
+    assert time.monotonic() - t0 < WAIT_S
+    assert "exit 4 (the model or its options can never be served" in caplog.text
+    assert "a restart would fail the same way; the daemon stops" in caplog.text
+    assert "restarting worker 1" not in caplog.text and caplog.text.count("exit 4 (") == 1
     assert segment_files(seg_name) == [] and live_workers(seg_name) == []
 
 
 def test_sigterm_during_start_up_drains(serve: Callable[..., Serve], seg_name: str) -> None:
-    # The signal lands while segments are being made and workers spawned.
-    s = serve(seg_name, "--fake", "--workers", "8")
+    # The signal lands while segments are being made and workers spawned (as many as the cores).
+    s = serve(seg_name, "--fake", "--workers", str(len(os.sched_getaffinity(0))))
     wait_for(lambda: segment_files(seg_name) or s.proc.poll() is not None, "the first segment")
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(WAIT_S) == 0, s.log

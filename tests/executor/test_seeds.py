@@ -295,14 +295,14 @@ def test_host_tier_off_drops_evicted_entries():
 def test_export_and_import_move_a_prefix_between_workers(tmp_path):
     nxt = PROMPT + [40, 41]
     want = plain_tokens(nxt)
-    a, b = exe(), exe()
+    a, b = exe(state_dir=tmp_path), exe(state_dir=tmp_path)
     a.serve(PROMPT)
     h = a.lease(PROMPT).handle
     path = tmp_path / "entry.bin"
-    done = a.op(op="EXPORT_ENTRY", handle=h, path=str(path))
+    done = a.op(op="EXPORT_ENTRY", handle=h, path=str(path))  # absolute, inside the state dir
     assert done.status == int(OpStatus.OK) and done.value == path.stat().st_size
     assert path.stat().st_mode & 0o777 == 0o600
-    imp = b.op(op="IMPORT_STATE", tokens=PROMPT[:20], path=str(path), ttl_ticks=3)
+    imp = b.op(op="IMPORT_STATE", tokens=PROMPT[:20], path="entry.bin", ttl_ticks=3)  # relative to it
     assert imp.status == int(OpStatus.OK), imp.payload
     tag, r = b.admit(nxt, seed=imp.handle, value=20)  # adopts the imported sequence
     assert r.ok, r.message
