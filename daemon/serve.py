@@ -136,7 +136,10 @@ def main(args: argparse.Namespace) -> int:
                 restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
                 crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port)
             daemon.start()
-        except (SegmentError, ValueError, OSError) as e:
+        except (SegmentError, ValueError) as e:  # e.g. --name of a daemon that runs: refused, as options are
+            print(f"superfluid serve: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
             print(f"superfluid serve: {e}", file=sys.stderr)
             return 1
         return daemon.serve_forever()

@@ -14,7 +14,9 @@ the worker over --control-fd (stop), tells it the segment's geometry
 (--segment-config: the header's copy may have been scribbled on) and shares
 a metrics block (--metrics-fd). Without a control fd, SIGTERM stops it.
 Exit codes: 0 stopped, 70 the runtime failed fatally (state unknown), 2 bad
-arguments or a segment it cannot open, 3 the model would not load.
+arguments or a segment it cannot open, 3 the model would not load this time
+(a restart may mend it), 4 the model or the options can never be served here
+(a config or weights error, sizes beyond the machine: the daemon stops).
 """
 
 from __future__ import annotations

@@ -346,3 +346,19 @@ def test_a_sigterm_at_any_moment_of_start_up_is_answered(tmp_path, seg_name):
             assert not segment_files(seg_name) and not live_workers(seg_name), s.log
         finally:
             s.close()
+
+
+def test_the_name_of_a_running_daemon_is_refused_and_it_serves_on(healthy):
+    line = serve_refused_running(healthy.name)
+    assert "--name" in line and "is running" in line, line
+    still_serves(healthy)
+
+
+def serve_refused_running(name: str) -> str:
+    """serve_refused for a name whose segments a live daemon holds (they must stay)."""
+    r = subprocess.run(python("-m", "superfluid", "serve", "--fake", "--name", name), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and segment_files(name), r.stderr
+    return lines[0]
