@@ -10,6 +10,7 @@ than crash-looping workers that would each fail the same way.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import stat
@@ -22,6 +23,11 @@ from superfluid.rings.segment import segment_bytes, shm_dir
 
 if TYPE_CHECKING:
     from superfluid.engine.sizing import Need
+
+
+log = logging.getLogger("superfluid.daemon")
+# Workers per core past which --workers is refused: they would mostly wait for a core.
+OVERSUBSCRIBED = 8
 
 
 class Refused(Exception):
@@ -39,8 +45,8 @@ class Machine:
 
     @classmethod
     def here(cls, *, gpu: bool = False) -> Machine:
-        return cls(cores=len(os.sched_getaffinity(0)), ram_bytes=_ram_bytes(), shm_free_bytes=_free_bytes(shm_dir()),
-                   device_bytes=_device_bytes() if gpu else None)
+        return cls(cores=len(os.sched_getaffinity(0)), ram_bytes=_ram_bytes(),
+                   shm_free_bytes=_free_bytes(shm_dir()), device_bytes=_device_bytes() if gpu else None)
 
 
 def _ram_bytes() -> int:
@@ -96,9 +102,15 @@ def check(args: argparse.Namespace, machine: Machine | None = None) -> Checked:
     from superfluid.daemon.supervisor import segment_config_for
 
     machine = machine or Machine.here(gpu=_wants_gpu(args))
+    if args.workers > OVERSUBSCRIBED * machine.cores:
+        raise Refused(f"--workers {args.workers}: more than {OVERSUBSCRIBED} per core of the "
+                      f"{machine.cores} this machine gives the daemon")
     if args.workers > machine.cores:
-        raise Refused(f"--workers {args.workers}: this machine gives the daemon {machine.cores} core(s), and "
-                      f"each worker spins on a core of its own between ticks")
+        log.warning("--workers %d on %d core(s): the workers' ticks will share cores", args.workers,
+                    machine.cores)
+    if args.threads > machine.cores:
+        raise Refused(f"--threads {args.threads}: more than the {machine.cores} core(s) this machine gives "
+                      f"the daemon")
     if args.host_cache_bytes > machine.ram_bytes:
         raise Refused(f"--host-cache-bytes {args.host_cache_bytes}: more than this machine's memory "
                       f"({size(machine.ram_bytes)})")
@@ -108,11 +120,14 @@ def check(args: argparse.Namespace, machine: Machine | None = None) -> Checked:
     try:
         seg = segment_bytes(segment_config_for(vocab, args.max_batch))
     except SegmentError as e:
-        raise Refused(f"--max-batch {args.max_batch}: the segment's logits ring would be too large ({e})") from None
+        raise Refused(f"--max-batch {args.max_batch}: the segment's logits ring would be too large ({e})") \
+            from None
     if args.workers * seg > machine.shm_free_bytes:
-        who = f"--workers {args.workers}" if seg <= machine.shm_free_bytes else f"--max-batch {args.max_batch}"
+        one_fits = seg <= machine.shm_free_bytes
+        who = f"--workers {args.workers}" if one_fits else f"--max-batch {args.max_batch}"
         raise Refused(f"{who}: {args.workers} segment(s) of {size(seg)} (the logits ring holds two steps of "
-                      f"--max-batch rows) need more than the {size(machine.shm_free_bytes)} free in {shm_dir()}")
+                      f"--max-batch rows) need more than the {size(machine.shm_free_bytes)} free in "
+                      f"{shm_dir()}")
     if args.metrics_port:
         _check_port(args.metrics_port)
     args.state_dir, made = prepare_state_dir(args.state_dir or default_state_dir(args.name))
@@ -139,6 +154,8 @@ def _check_model(args: argparse.Namespace, machine: Machine) -> int:
         needs = plan_load(model, args.backend, **options)
     except (OSError, ValueError) as e:  # ConfigError and WeightError are ValueErrors
         raise Refused(f"--model {model}: {e}") from None
+    except Exception as e:  # a config no check foresaw: still one line, not a traceback
+        raise Refused(f"--model {model}: {type(e).__name__}: {e}") from None
     check_memory(needs, machine, args.workers)
     cache = args.cache_bytes
     if isinstance(cache, int):

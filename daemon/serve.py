@@ -132,7 +132,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             daemon = Daemon(
                 args.name, runtime_argv(args), workers=args.workers,
-                segment_config=segment_config_for(ok.vocab, args.max_batch), fault_injection=args.fault_injection,
+                segment_config=segment_config_for(ok.vocab, args.max_batch),
+                fault_injection=args.fault_injection,
                 restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
                 crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port)
             daemon.start()

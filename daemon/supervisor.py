@@ -52,6 +52,7 @@ from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, SegmentConfig, segment_path
 
 from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
+from .worker import EXIT_UNSERVABLE
 from .status import pid_alive, segment_paths, worker_snapshot
 
 log = logging.getLogger("superfluid.daemon")
@@ -64,7 +65,7 @@ EXIT_REASONS = {
     4: "the model or its options can never be served: a restart would fail the same way",
     70: "the runtime failed fatally",
 }
-EXIT_UNSERVABLE = 4  # the daemon stops: restarting it could not help
+
 EXIT_SPAWN_FAILED = 127  # the worker process could not be started at all
 READY_CHECK_S = 0.05  # how often a STARTING worker's state is looked at
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
@@ -277,7 +278,7 @@ class Daemon:
         try:
             while not self._stopping:
                 self._step(0.0 if self._stop_requested else self._timeout())
-                if all(w.gave_up for w in self._workers):
+                if all(w.gave_up for w in self._workers) and not self.unservable:
                     log.error("every worker gave up; the daemon exits")
                     status = 1
                     break

@@ -99,7 +99,10 @@ _PAGE_DEFAULT = 16
 _DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
 
 
-def _at_least(lo: int) -> Callable[[str], int]:
+U32_MAX = (1 << 32) - 1  # the runtime description's fields (abi/superfluid.h RuntimeDesc)
+
+
+def _at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -107,6 +110,8 @@ def _at_least(lo: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{s!r}: expected an integer") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"{s}: must be >= {lo}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"{s}: must be <= {hi}")
         return v
     return parse
 
@@ -126,17 +131,17 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fake-step-cost", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--kv-cells", type=_at_least(0), default=0,
                    help="KV cells in the pool (default 16384; fake: unlimited; not for a Mamba2 model)")
-    p.add_argument("--page", type=_at_least(1), default=_PAGE_DEFAULT, help="cells per KV block (default 16)")
+    p.add_argument("--page", type=_at_least(1, U32_MAX), default=_PAGE_DEFAULT, help="cells per KV block (default 16)")
     p.add_argument("--state-bytes", type=_at_least(0), default=0,
                    help="Mamba2 models: bytes of recurrent state in the pool, one fixed-size slot per sequence "
                         "(default: --max-seqs slots, 64 when that is 0; a sequence of the embedded tiny Mamba2 "
                         "holds 40448 bytes)")
-    p.add_argument("--max-batch", type=_at_least(1), default=64, help="lanes per step (default 64)")
-    p.add_argument("--max-seqs", type=_at_least(0), default=0,
+    p.add_argument("--max-batch", type=_at_least(1, U32_MAX), default=64, help="lanes per step (default 64)")
+    p.add_argument("--max-seqs", type=_at_least(0, U32_MAX), default=0,
                    help="sequences at once, 0 = unbounded (a Mamba2 model: as many as --state-bytes holds)")
-    p.add_argument("--max-seq-len", type=_at_least(0), default=0,
+    p.add_argument("--max-seq-len", type=_at_least(0, U32_MAX), default=0,
                    help="cap on cells per sequence (default: the model's)")
-    p.add_argument("--prefill-step-tokens", type=_at_least(0), default=512,
+    p.add_argument("--prefill-step-tokens", type=_at_least(0, U32_MAX), default=512,
                    help="tokens per prefill step (default 512)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
                    help="weights and KV: fp32, or bf16 (half the bytes; activations stay float32 on a CPU); "
@@ -149,10 +154,27 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", help="the folder op paths (EXPORT_ENTRY, IMPORT_STATE) may name; serve: "
                    "default $SUPERFLUID_SHM_DIR (or /dev/shm)/superfluid.NAME.state, made mode 0700; a worker "
                    "without one takes no paths")
+    p.add_argument("--state-dir-bytes", type=_at_least(0), default=0,
+                   help="what exports may keep in the state directory (default: half of what it holds and its "
+                        "file system has free when a worker starts)")
     p.add_argument("--threads", type=_at_least(0), default=0,
                    help="threads per worker (default: torch's choice): a transformer on the CPU runs our "
                         "kernels on them and torch's own ops on one; else torch's. Keep workers x threads at or "
                         "under the free cores")
+
+
+def state_dir_limit(args: argparse.Namespace) -> int | None:
+    """The bytes the state directory may hold (--state-dir-bytes; 0: half of
+    what it holds and its file system has free now), making it if missing."""
+    if args.state_dir is None:
+        return None
+    os.makedirs(args.state_dir, mode=0o700, exist_ok=True)
+    if args.state_dir_bytes:
+        return args.state_dir_bytes
+    from superfluid.executor.state_dir import StateDir
+
+    st = os.statvfs(args.state_dir)
+    return (StateDir(args.state_dir).held_bytes() + st.f_bavail * st.f_frsize) // 2
 
 
 def check_servable(args: argparse.Namespace) -> None:
@@ -246,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"superfluid worker: cannot load the runtime: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_LOAD
     try:
-        ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
-                      fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
-                      host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases, state_dir=args.state_dir)
-    except OSError as e:  # the state directory
+        state_bytes = state_dir_limit(args)
+    except OSError as e:  # made again if someone removed it; a restart may mend what stops that
         print(f"superfluid worker: --state-dir {args.state_dir}: {e.strerror}", file=sys.stderr)
-        return EXIT_UNSERVABLE
+        return EXIT_LOAD
+    ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
+                  fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
+                  host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases, state_dir=args.state_dir,
+                  state_dir_bytes=state_bytes)
     return Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
 
 

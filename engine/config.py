@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from superfluid.engine.checkpoint import NotRegular, read_text
+
 __all__ = [
     "ARCHITECTURES",
     "ConfigError",
@@ -61,6 +63,11 @@ _DTYPES: dict[str, torch.dtype] = {
 _GENERATION = "\0generation"  # marks an error in a generation_config.json field
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+
+# Far above any model's depth (the deepest have a few hundred layers), far below
+# what a per-layer list of this length costs to build.
+MAX_LAYERS = 1 << 16
 
 
 class ConfigError(ValueError):
@@ -120,6 +127,8 @@ class ModelConfig:
             v = getattr(self, name)
             if not _is_int(v) or v <= 0:
                 raise ConfigError(f"must be a positive integer, got {v!r}", field=name)
+        if self.num_layers > MAX_LAYERS:  # before anything is made per layer
+            raise ConfigError(f"must be at most {MAX_LAYERS}, got {self.num_layers}", field="num_layers")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads "
                               f"({self.num_kv_heads})", field="num_kv_heads")
@@ -338,10 +347,11 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+        d = json.loads(read_text(path))
     except FileNotFoundError:
         raise ConfigError("file not found", source=str(path)) from None
+    except NotRegular:
+        raise ConfigError("not a regular file (a FIFO, a device or a directory)", source=str(path)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"not valid JSON ({e})", source=str(path)) from None
     if not isinstance(d, dict):

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from superfluid.engine.checkpoint import model_type, raw_config
+from superfluid.engine.checkpoint import model_type, raw_config, read_text
 from superfluid.engine.config import load_config
 from superfluid.engine.model import Model
 from superfluid.engine.runtime import Runtime
@@ -23,8 +23,7 @@ def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
     tok = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok):
         return None, {}
-    with open(tok, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(tok)
     added = json.loads(text).get("added_tokens", [])
     return text, {t["content"]: int(t["id"]) for t in added if t.get("special")}
 

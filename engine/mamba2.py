@@ -26,9 +26,16 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from superfluid.engine.checkpoint import read_text
+from superfluid.engine.config import MAX_LAYERS
 from superfluid.engine.weights import WeightError, _tensor_files, check_headers
 
 __all__ = ["Mamba2Config", "Mamba2Model", "Mamba2State", "WeightError"]
+
+
+# config.json's integer fields and Mamba2Config's defaults for them.
+_INT_FIELDS = {"vocab_size": 32768, "hidden_size": 4096, "state_size": 128, "num_heads": 128, "head_dim": 64,
+               "n_groups": 8, "expand": 2, "conv_kernel": 4, "chunk_size": 256, "num_hidden_layers": 64}
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,20 @@ class Mamba2Config:
         if d.get("norm_before_gate", False) or not d.get("rms_norm", True):
             raise WeightError("only the gated RMSNorm with the gate before the norm is supported (as in HF)")
         # Defaults are Mamba2Config's own, so a config.json that omits a key means the same here.
+        for key, default in _INT_FIELDS.items():
+            v = d.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise WeightError(f"config.json {key}: must be a positive integer, got {str(v)[:40]}")
+        if d.get("num_hidden_layers", 64) > MAX_LAYERS:
+            raise WeightError(f"config.json num_hidden_layers: must be at most {MAX_LAYERS}")
         lim = d.get("time_step_limit", (0.0, math.inf))
+        try:
+            lim = (_num(lim[0]), _num(lim[1]))
+            if len(d.get("time_step_limit", lim)) != 2:
+                raise ValueError
+        except (TypeError, ValueError, KeyError, IndexError):
+            raise WeightError(f"config.json time_step_limit: must be a pair of numbers, got {str(lim)[:40]}") \
+                from None
         cfg = cls(
             vocab_size=d.get("vocab_size", 32768), hidden_size=d.get("hidden_size", 4096),
             state_size=d.get("state_size", 128), num_heads=d.get("num_heads", 128),
@@ -74,7 +94,7 @@ class Mamba2Config:
             conv_kernel=d.get("conv_kernel", 4), chunk_size=d.get("chunk_size", 256),
             num_layers=d.get("num_hidden_layers", 64), eps=d.get("layer_norm_epsilon", 1e-5),
             tie_word_embeddings=d.get("tie_word_embeddings", False), use_bias=d.get("use_bias", False),
-            use_conv_bias=d.get("use_conv_bias", True), time_step_limit=(_num(lim[0]), _num(lim[1])),
+            use_conv_bias=d.get("use_conv_bias", True), time_step_limit=lim,
         )
         if cfg.intermediate_size != cfg.num_heads * cfg.head_dim:
             raise WeightError(f"hidden_size*expand ({cfg.intermediate_size}) != num_heads*head_dim "
@@ -187,7 +207,7 @@ class Mamba2Model:
     def load(cls, path: str | Path) -> "Mamba2Model":
         d = Path(path)
         try:
-            raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
+            raw = json.loads(read_text(d / "config.json"))
         except (OSError, ValueError) as e:
             raise WeightError(f"{d}: cannot read config.json ({e})") from None
         cfg = Mamba2Config.from_dict(raw)
@@ -259,6 +279,9 @@ def check_weights(d: Path, cfg: Mamba2Config) -> dict[str, tuple[Path, str]]:
     stored = _tensor_files(d)
     files = {alias.get(k, k): v for k, v in stored.items()}
     src = {alias.get(k, k): k for k in stored}  # our name -> the name in the file
+    if cfg.num_layers > len(files):  # before a list of every layer's tensors is made
+        raise WeightError(f"{d}: the config's num_hidden_layers {cfg.num_layers} is more than the "
+                          f"{len(files)} tensors the checkpoint holds")
     want = cfg.expected_shapes()
     if cfg.tie_word_embeddings and "lm_head.weight" in files:
         want["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)  # read it; decided below

@@ -60,6 +60,9 @@ def kernels_for(backend: str) -> ModuleType:
     raise ValueError(f"backend {backend!r}: expected 'torch' or 'triton'")
 
 
+DEFAULT_SLOTS = 64  # state slots when neither state_bytes nor max_seqs sizes the pool
+
+
 class Mamba2Runtime(Runtime):
     PAGE = 16  # the unit cells are counted in (a sequence holds no pages; see the module docstring)
 
@@ -78,7 +81,7 @@ class Mamba2Runtime(Runtime):
         self.fwd = Mamba2Forward(cfg, weights, kernels_for(backend), dev, self.L)
         slot = StatePool.slot_bytes(cfg)
         if state_bytes is None:
-            slots = max_seqs or 64
+            slots = max_seqs or DEFAULT_SLOTS
         else:
             slots = int(state_bytes) // slot
             if slots < 1:

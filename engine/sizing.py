@@ -20,8 +20,6 @@ from superfluid.engine.checkpoint import model_type, raw_config
 from superfluid.engine.config import ModelConfig, load_config
 from superfluid.engine.weights import WeightError, check_weights, num_params
 
-# load()'s default pool sizes (TransformerRuntime, Mamba2Runtime).
-_KV_CELLS, _PAGE, _MAX_BATCH, _MAMBA2_SLOTS = 16384, 16, 64, 64
 
 
 # load()'s options that size an allocation (a daemon names them as its flags).
@@ -72,13 +70,14 @@ def _elem(dtype: torch.dtype) -> int:
 
 def _plan_transformer(cfg: ModelConfig, backend: str, invariant: bool, dev: torch.device, dtype: torch.dtype,
                       max_seq_len: int | None, opts: dict, source: str) -> list[Need]:
+    from superfluid.engine.transformer import DEFAULT_KV_CELLS, DEFAULT_MAX_BATCH, DEFAULT_PAGE
     from superfluid.kernels.backend import get_backend
 
     gpu = dev.type != "cpu"
     size = _elem(dtype)
     params = num_params(cfg)
-    kv_cells, page = opts.get("kv_cells", _KV_CELLS), opts.get("page", _PAGE)
-    max_batch = opts.get("max_batch", _MAX_BATCH)
+    kv_cells, page = opts.get("kv_cells", DEFAULT_KV_CELLS), opts.get("page", DEFAULT_PAGE)
+    max_batch = opts.get("max_batch", DEFAULT_MAX_BATCH)
     # KVPool: ceil(kv_cells / page) blocks and the trash block, K and V.
     blocks = -(-kv_cells // page) + 1
     pool = 2 * cfg.num_layers * blocks * page * cfg.num_kv_heads * cfg.head_dim * size
@@ -93,7 +92,8 @@ def _plan_transformer(cfg: ModelConfig, backend: str, invariant: bool, dev: torc
     half = cfg.head_dim // 2
     return [
         # The checkpoint's tensors cast, then laid out for the forward pass (fused, packed): twice, at load.
-        Need("the weights, while they load", 2 * params * size, (("the checkpoint's parameters", params),), gpu),
+        Need("the weights, while they load", 2 * params * size, (("the checkpoint's parameters", params),),
+             gpu),
         Need("the KV pool", pool, (("kv_cells", kv_cells), ("page", page)), gpu),
         # rope_cos_sin: positions and angles in float64, then cos and sin in float32.
         Need("the RoPE tables", limit * (8 + half * 32), ((limit_by, limit),), gpu),
@@ -103,7 +103,9 @@ def _plan_transformer(cfg: ModelConfig, backend: str, invariant: bool, dev: torc
 
 def _plan_mamba2(path: Path, dev: torch.device, opts: dict) -> list[Need]:
     from superfluid.engine.mamba2 import Mamba2Config, check_weights as check_mamba2
+    from superfluid.engine.mamba2_runtime import DEFAULT_SLOTS
     from superfluid.engine.mamba2_state import StatePool
+    from superfluid.engine.transformer import DEFAULT_MAX_BATCH
     try:
         raw = raw_config(os.fspath(path))
     except (OSError, ValueError) as e:
@@ -117,8 +119,8 @@ def _plan_mamba2(path: Path, dev: torch.device, opts: dict) -> list[Need]:
     if state_bytes:
         slots, set_by = max(1, state_bytes // slot), (("state_bytes", state_bytes),)
     else:
-        slots, set_by = max_seqs or _MAMBA2_SLOTS, (("max_seqs", max_seqs or _MAMBA2_SLOTS),)
-    max_batch = opts.get("max_batch", _MAX_BATCH)
+        slots, set_by = max_seqs or DEFAULT_SLOTS, (("max_seqs", max_seqs or DEFAULT_SLOTS),)
+    max_batch = opts.get("max_batch", DEFAULT_MAX_BATCH)
     return [
         Need("the weights, while they load", 2 * params * 4, (("the checkpoint's parameters", params),), gpu),
         Need("the state pool", slots * slot, set_by, gpu),

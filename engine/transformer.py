@@ -44,10 +44,14 @@ _EXPORT_MAGIC = b"SFKV"
 _EXPORT_HEAD = struct.Struct("<4sIIIIIIII")
 
 
+DEFAULT_KV_CELLS, DEFAULT_PAGE, DEFAULT_MAX_BATCH = 16384, 16, 64
+
+
 class TransformerRuntime(Runtime):
     """A Llama-family model serving ragged steps over a paged KV pool."""
 
-    def __init__(self, model: Model, *, kv_cells: int = 16384, page: int = 16, max_batch: int = 64,
+    def __init__(self, model: Model, *, kv_cells: int = DEFAULT_KV_CELLS, page: int = DEFAULT_PAGE,
+                 max_batch: int = DEFAULT_MAX_BATCH,
                  max_seqs: int = 0, prefill_step_tokens: int = 512, specials: dict[str, int] | None = None,
                  runtime_id: str | None = None, tokenizer_json: str | None = None):
         cfg: ModelConfig = model.cfg

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .checkpoint import NotRegular, read_text, regular_file
 from .config import ModelConfig
 
 __all__ = ["WeightError", "check_weights", "expected_shapes", "load_weights", "num_params", "INDEX_FILE"]
@@ -76,6 +77,9 @@ def check_weights(path: str | Path, cfg: ModelConfig) -> dict[str, Path]:
     if not d.is_dir():
         raise WeightError(f"{d}: not a checkpoint directory")
     files = _tensor_files(d)  # name -> file holding it
+    if cfg.num_layers > len(files):  # before a list of every layer's tensors is made
+        raise WeightError(f"{d}: the config's num_hidden_layers {cfg.num_layers} is more than the "
+                          f"{len(files)} tensors the checkpoint holds")
     expected = expected_shapes(cfg)
     found = set(files)
     to_read = dict(expected)
@@ -118,7 +122,9 @@ def check_headers(where: dict[str, tuple[Path, str]], shapes: dict[str, tuple[in
                                           f"not a float type")
         except WeightError:
             raise
-        except Exception as e:  # safetensors raises its own types for bad headers; OSError for the file
+        except OSError as e:  # not the checkpoint's fault: a restart may find it readable
+            raise OSError(e.errno, f"{file}: {e.strerror}") from None
+        except Exception as e:  # safetensors raises its own types for bad headers
             raise WeightError(f"{file}: not a readable safetensors file ({e})") from None
 
 
@@ -170,7 +176,7 @@ def _tensor_files(d: Path) -> dict[str, Path]:
     files: dict[str, Path] = {}
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(read_text(index))["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
         except (ValueError, KeyError, TypeError) as e:
@@ -202,7 +208,15 @@ def _tensor_files(d: Path) -> dict[str, Path]:
 
 def _keys(p: Path) -> set[str]:
     try:
+        regular_file(p)  # safetensors would wait on a FIFO for ever
+    except NotRegular as e:
+        raise WeightError(str(e)) from None
+    except OSError as e:
+        raise OSError(e.errno, f"{p}: {e.strerror}") from None
+    try:
         with safe_open(p, framework="pt", device="cpu") as f:
             return set(f.keys())
+    except OSError as e:  # not the checkpoint's fault: a restart may find it readable
+        raise OSError(e.errno, f"{p}: {e.strerror}") from None
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise WeightError(f"{p}: not a readable safetensors file ({e})") from None

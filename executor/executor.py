@@ -73,14 +73,15 @@ class Executor:
     "auto": half the pool). host_cache_bytes: host memory for entries
     evicted from the pool (0: none). max_leases: seed leases at once.
     state_dir: the folder op paths (EXPORT_ENTRY, IMPORT_STATE) may name
-    (state_dir.py); None: ops take no paths.
+    (state_dir.py), holding at most state_dir_bytes (None: no limit);
+    state_dir None: ops take no paths.
     """
 
     def __init__(self, runtime: Runtime, rings: TickRings | None = None, *, epoch: int = 0,
                  fault_injection: bool = False, fatal_exit: bool = False,
                  cache_max_bytes: int | str | None = AUTO, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
                  max_leases: int = DEFAULT_MAX_LEASES, clock: Callable[[], int] = time.perf_counter_ns,
-                 state_dir: str | os.PathLike | None = None):
+                 state_dir: str | os.PathLike | None = None, state_dir_bytes: int | None = None):
         self.runtime = runtime
         self.desc = runtime.desc
         self.rings = rings or LocalRings()
@@ -98,7 +99,7 @@ class Executor:
         self.cache_max_bytes = cache_max_bytes
         self.host_cache_bytes = max(0, host_cache_bytes)
         self.leases = LeaseTable(self.cache, max_leases)
-        self.state_dir = StateDir(state_dir) if state_dir is not None else None
+        self.state_dir = StateDir(state_dir, state_dir_bytes) if state_dir is not None else None
         self.last_plan_seq: int | None = None
         self.tick_count = 0
         self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias

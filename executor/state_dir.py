@@ -6,13 +6,16 @@ under the state directory (an absolute path must lie inside it), walked one
 component at a time with O_NOFOLLOW from the directory's own descriptor, so
 no `..`, symlink or rename race leads out of it. Only regular files are
 read or written; opens never block (a FIFO is refused, not waited on);
-reads stop at a cap whatever st_size says (/dev/zero reports 0); a write
-makes a new file and replaces an existing one only when the op says
-`overwrite`, and then by renaming a complete new file over it.
+reads stop at a cap whatever st_size says (/dev/zero reports 0). A write
+goes to a temporary file first and is linked under its name only once it
+is whole: a new name never replaces an existing one unless the op says
+`overwrite` (then by a rename). What the directory holds is bounded
+(max_bytes): exports cannot fill the file system under it.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 
@@ -23,9 +26,10 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
 _CHUNK = 1 << 20
+_TMP = ".sf-write."  # + pid + "." + n: a write not yet linked under its name
 
 
-def _bad(path: str, why: str) -> OpError:
+def _bad(path: object, why: str) -> OpError:
     return OpError(OpStatus.BadRequest, f"field 'path': {echo(path)} {why}")
 
 
@@ -36,36 +40,81 @@ def _kind(mode: int) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-class StateDir:
-    """The state directory at `root` (it must exist: the daemon makes it)."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
-    def __init__(self, root: str | os.PathLike):
+
+class StateDir:
+    """The state directory at `root`, holding at most `max_bytes` (None: no limit).
+
+    The directory is opened per op: one removed meanwhile makes the op a
+    BadRequest, not a failure of the worker."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int | None = None):
+        self.given = os.path.abspath(root)  # as configured (its parents may be symlinks)
         self.root = os.path.realpath(root)
-        fd = os.open(self.root, _DIR)  # a missing or non-directory root fails here, at start-up
-        os.close(fd)
+        self.max_bytes = max_bytes
+        self._seq = itertools.count()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the temporary files of writers that died (a kill mid-export)."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            pid = name[len(_TMP):].split(".", 1)[0]
+            if name.startswith(_TMP) and pid.isdigit() and not _pid_alive(int(pid)):
+                try:
+                    os.unlink(os.path.join(self.root, name))
+                except OSError:
+                    pass
 
     def check(self, path: object) -> list[str]:
         """The components of `path` under the root; BadRequest for a path that is not one (no I/O)."""
         if not isinstance(path, str) or not path:
             raise OpError(OpStatus.BadRequest, "field 'path': expected a file name in the state directory")
+        try:
+            path.encode()
+        except UnicodeEncodeError:
+            raise _bad(path, "is not valid UTF-8") from None
         if "\0" in path:
             raise _bad(path, "holds a NUL byte")
         rel = path
         if os.path.isabs(path):
-            if not path.startswith(self.root + os.sep):
+            inside = [r for r in (self.root, self.given) if path.startswith(r + os.sep) or path == r]
+            if not inside:
                 raise _bad(path, f"is outside the state directory {self.root}")
-            rel = path[len(self.root) + 1:]
+            rel = path[len(inside[0]) + 1:]
+        if path.endswith("/"):
+            raise _bad(path, "names a folder, not a file")
         parts = [p for p in rel.split("/") if p]
         if not parts:
-            raise _bad(path, "names no file")
+            raise _bad(path, "names the state directory itself, not a file in it")
         if any(p in (".", "..") for p in parts):
             raise _bad(path, "may not hold '.' or '..': it must stay inside the state directory")
+        if parts[-1].startswith(_TMP):
+            raise _bad(path, f"names a write in progress ({_TMP}*)")
         return parts
+
+    def _open_root(self, path: object) -> int:
+        try:
+            return os.open(self.root, _DIR)
+        except OSError as err:
+            raise _bad(path, f"cannot be reached: the state directory {self.root} cannot be opened "
+                             f"({err.strerror})") from None
 
     def _walk(self, path: object) -> tuple[int, str]:
         """(a descriptor of the file's folder, the file's name): the caller closes the descriptor."""
         parts = self.check(path)
-        fd = os.open(self.root, _DIR)
+        fd = self._open_root(path)
         try:
             for i, part in enumerate(parts[:-1]):
                 try:
@@ -110,55 +159,83 @@ class StateDir:
             os.close(fd)
 
     def write(self, path: object, data: bytes, *, overwrite: bool = False) -> None:
-        """Write `data` to a new regular file at `path` (mode 0600); an existing
-        one only with `overwrite`, replaced whole by a rename."""
+        """Write `data` to a regular file at `path` (mode 0600): a new one, or
+        with `overwrite` an existing regular file replaced whole."""
         dir_fd, name = self._walk(path)
         try:
-            if overwrite:
-                self._replace(path, dir_fd, name, data)
-            else:
-                self._create(path, dir_fd, name, data)
+            old = self._existing(path, dir_fd, name, overwrite)
+            self._within_limit(path, len(data) - old)
+            tmp = self._write_tmp(path, dir_fd, data)
+            try:
+                if overwrite:
+                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                else:
+                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            except FileExistsError:
+                raise _bad(path, "exists: give 'overwrite': true to replace it") from None
+            except OSError as err:
+                raise _bad(path, f"cannot be written: {err.strerror}") from None
+            finally:
+                try:
+                    os.unlink(tmp, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass  # renamed over the name
         finally:
             os.close(dir_fd)
 
-    def _create(self, path: object, dir_fd: int, name: str, data: bytes) -> None:
+    def _existing(self, path: object, dir_fd: int, name: str, overwrite: bool) -> int:
+        """The size of what `name` holds now (0 if nothing); BadRequest where a write may not go."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        except OSError as err:
+            raise _bad(path, f"cannot be written: {err.strerror}") from None
+        what = _kind(st.st_mode)
+        if what:
+            raise _bad(path, f"is {what}: only a regular file is " + ("replaced" if overwrite else "written"))
+        if not overwrite:
+            raise _bad(path, "exists: give 'overwrite': true to replace it")
+        return st.st_size
+
+    def _within_limit(self, path: object, grows: int) -> None:
+        if self.max_bytes is None or grows <= 0:
+            return
+        held = self.held_bytes()
+        if held + grows > self.max_bytes:
+            raise _bad(path, f"would take {grows} bytes more; the state directory holds {held} of the "
+                             f"{self.max_bytes} it may (remove exports, or serve --state-dir-bytes)")
+
+    def held_bytes(self) -> int:
+        """The bytes of the regular files under the root (symlinks not followed)."""
+        total, stack = 0, [self.root]
+        while stack:
+            try:
+                with os.scandir(stack.pop()) as it:
+                    for e in it:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+        return total
+
+    def _write_tmp(self, path: object, dir_fd: int, data: bytes) -> str:
+        tmp = f"{_TMP}{os.getpid()}.{next(self._seq)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-        except FileExistsError:
-            raise _bad(path, "exists: give 'overwrite': true to replace it") from None
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
         except OSError as err:
-            raise self._open_error(path, name, dir_fd, err, "written") from None
+            raise _bad(path, f"cannot be written: {err.strerror}") from None
         try:
             _write_all(fd, data)
         except OSError as err:
-            os.unlink(name, dir_fd=dir_fd)  # no partial file is left behind
+            os.unlink(tmp, dir_fd=dir_fd)
             raise _bad(path, f"cannot be written: {err.strerror}") from None
         finally:
             os.close(fd)
-
-    def _replace(self, path: object, dir_fd: int, name: str, data: bytes) -> None:
-        try:
-            what = _kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-        except FileNotFoundError:
-            what = None
-        except OSError as err:
-            raise _bad(path, f"cannot be written: {err.strerror}") from None
-        if what:
-            raise _bad(path, f"is {what}: only a regular file is replaced")
-        tmp = f".{name[:200]}.{os.getpid()}.tmp"
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)  # a leftover of a write that died
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            raise _bad(path, f"cannot be written: {err.strerror}") from None
-        self._create(path, dir_fd, tmp, data)
-        try:
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except OSError as err:
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise _bad(path, f"cannot be written: {err.strerror}") from None
+        return tmp
 
     @staticmethod
     def _open_error(path: object, name: str, dir_fd: int, err: OSError, doing: str) -> OpError:

@@ -185,7 +185,14 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
+            # Every page now: a file system (tmpfs) that fills later must not
+            # SIGBUS a worker or planner when it first touches one.
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise SegmentError(f"{path}: cannot make a segment of {size} bytes: {e.strerror}") from None
         except BaseException:
             os.close(fd)
             os.unlink(path)

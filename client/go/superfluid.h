@@ -262,7 +262,9 @@ extern "C" {
  *   (folders inside it allowed) or by an absolute path inside it. The worker walks it component by
  *   component without following symlinks and opens it without blocking: a path that leaves the
  *   directory ('..', absolute elsewhere), a symlink, a FIFO, a device, a socket or a directory is
- *   BadRequest naming 'path', as is a file larger than the import cap (whatever its st_size says).
+ *   BadRequest naming 'path', as is a file larger than the import cap (whatever its st_size says)
+ *   and an export that would take the directory past its limit (serve --state-dir-bytes). An
+ *   export is written whole to a temporary file (.sf-write.*) before it takes its name.
  *   An executor without a state directory (in process, by default) takes no paths.
  * INJECT_FAULT  lane_tag int (required), code (default SF_FAULT_INJECTED; one of SF_FAULT_*). The
  *   lane faults with that code (a LaneFault, detail 0) the next time a plan decodes it. value =

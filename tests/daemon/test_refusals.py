@@ -121,9 +121,30 @@ def _no_weights(d: Path) -> str:
     return "no *.safetensors"
 
 
+def _fifo_weights(d: Path) -> str:
+    f = _weights(d)
+    f.unlink()
+    os.mkfifo(f)  # a reader would wait for a writer for ever
+    return "FIFO"
+
+
+def _fifo_config(d: Path) -> str:
+    (d / "config.json").unlink()
+    os.mkfifo(d / "config.json")
+    return "config.json"
+
+
+def _layers(d: Path) -> str:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10**9  # a per-layer list of this would take minutes and gigabytes
+    (d / "config.json").write_text(json.dumps(cfg))
+    return "num_"
+
+
 CORRUPTIONS = {"truncated": _truncated, "header-not-json": _not_json, "int8-tensor": _int8,
                "wrong-shape": _wrong_shape, "heads-do-not-divide": _heads, "symlink-loop": _symlink_loop,
-               "max-position-embeddings-1e12": _positions, "no-weights": _no_weights}
+               "max-position-embeddings-1e12": _positions, "no-weights": _no_weights,
+               "fifo-weights": _fifo_weights, "fifo-config": _fifo_config, "layers-1e9": _layers}
 
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
@@ -133,6 +154,19 @@ def test_a_checkpoint_that_cannot_load_is_refused_up_front(kind, ckpt, healthy, 
     line = serve_refused(seg_name, "--model", str(model), "--restart-backoff", "0.05")
     assert named in line and str(model) in line, line
     still_serves(healthy)
+
+
+@pytest.mark.parametrize("edit,named", [
+    ({"n_groups": 0}, "n_groups"), ({"time_step_limit": 5}, "time_step_limit"),
+    ({"hidden_size": "x"}, "hidden_size"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"), ({"num_heads": 7}, "num_heads"),
+])
+def test_a_mamba2_config_that_cannot_load_is_refused_in_one_line(edit, named, tmp_path, seg_name):
+    m2 = write_tiny(tmp_path / "m2", arch="mamba2", seed=1)
+    cfg = json.loads((m2 / "config.json").read_text())
+    (m2 / "config.json").write_text(json.dumps({**cfg, **edit}))
+    line = serve_refused(seg_name, "--model", str(m2))
+    assert named in line and str(m2) in line, line
 
 
 def test_a_good_checkpoint_passes_the_same_checks(ckpt, seg_name, tmp_path):
@@ -155,12 +189,15 @@ def test_a_good_checkpoint_passes_the_same_checks(ckpt, seg_name, tmp_path):
     (["--cache-bytes", str(10**14)], "--cache-bytes 100000000000000"),
     (["--fake", "--workers", "1000"], "--workers 1000"),
     (["--fake", "--max-batch", str(10**9)], "--max-batch 1000000000"),
+    (["--threads", "100000"], "--threads 100000"),
+    (["--max-seqs", str(10**12)], "--max-seqs"),
+    (["--prefill-step-tokens", str(10**12)], "--prefill-step-tokens"),
     (["--name", "bad/name"], "--name"),
     (["--name", "x" * 40], "--name"),
 ])
 def test_a_size_the_machine_cannot_hold_is_refused_naming_its_option(args, named, healthy, seg_name):
-    name = seg_name if "--name" not in args else "unused"
-    line = serve_refused(name, *args) if "--name" not in args else _argparse_refusal(args)
+    by_argparse = {"--name", "--max-seqs", "--prefill-step-tokens"} & set(args)
+    line = _argparse_refusal(args) if by_argparse else serve_refused(seg_name, *args)
     assert named in line, line
     still_serves(healthy)
 
@@ -266,8 +303,10 @@ def test_an_op_path_cannot_block_read_or_write_outside_or_overwrite(state_daemon
             _refused(c.op("IMPORT_STATE", tokens=list(range(1, 9)), ttl_ticks=5, path=path, timeout=WAIT_S),
                      *words)
         assert time.monotonic() - t0 < WAIT_S  # the FIFO did not block the worker
-        exports = {"kept.bin": ("exists",), "link": ("exists",), str(outside): ("outside",),
-                   "/etc/passwd": ("outside",), "fifo": ("exists",), "no-such-dir/x.bin": ("cannot be reached",)}
+        exports = {"kept.bin": ("exists",), "link": ("symlink",), str(outside): ("outside",),
+                   "/etc/passwd": ("outside",), "fifo": ("FIFO",), "no-such-dir/x.bin": ("cannot be reached",),
+                   "dir/": ("folder",), str(state): ("state directory itself",),
+                   ".sf-write.1.0": ("in progress",)}
         for path, words in exports.items():
             _refused(c.op("EXPORT_ENTRY", handle=h, path=path, timeout=WAIT_S), *words)
         for path, words in {"fifo": ("FIFO",), "link": ("symlink",), "dir": ("directory",)}.items():
@@ -279,7 +318,7 @@ def test_an_op_path_cannot_block_read_or_write_outside_or_overwrite(state_daemon
         # With overwrite, an existing regular file is replaced whole.
         done = c.op("EXPORT_ENTRY", handle=h, path="kept.bin", overwrite=True)
         assert done.status == OpStatus.OK and kept.stat().st_size == done.value
-        assert not [p for p in state.iterdir() if p.name.endswith(".tmp")]
+        assert not [p for p in state.iterdir() if p.name.startswith(".sf-write.")]
         assert c.tick(PlanBuilder(0)).status == Status.OK  # the worker ticks on
     still_serves(healthy)
 
@@ -292,6 +331,55 @@ def test_an_import_reads_no_more_than_the_cap_whatever_the_file_size(state_daemo
     with Client.connect(d.name, 0, timeout=WAIT_S) as c:
         _refused(c.op("IMPORT_STATE", tokens=list(range(1, 9)), ttl_ticks=5, path="big.bin"), "more than")
         assert c.tick(PlanBuilder(0)).status == Status.OK
+
+
+def test_the_state_dir_holds_no_more_than_its_limit(tmp_path):
+    state = tmp_path / "state"
+    s = Serve(tmp_path, f"lim{os.getpid()}", *FAKE, "--state-dir", str(state), "--state-dir-bytes", "400")
+    try:
+        s.wait_log("worker 0 ready (epoch 1")
+        with Client.connect(s.name, 0, timeout=WAIT_S) as c:
+            h = _leased(c)
+            done = [c.op("EXPORT_ENTRY", handle=h, path=f"e{i}.bin") for i in range(20)]
+            ok = [d for d in done if d.status == OpStatus.OK]
+            assert ok and len(ok) < 20, [d.status for d in done]
+            _refused(done[len(ok)], "400")
+            held = sum(p.stat().st_size for p in state.iterdir())
+            assert held <= 400 and held == sum(d.value for d in ok)
+            # Replacing a file with one of its own size fits where a new one does not.
+            assert c.op("EXPORT_ENTRY", handle=h, path="e0.bin", overwrite=True).status == OpStatus.OK
+            assert c.tick(PlanBuilder(0)).status == Status.OK
+    finally:
+        s.close()
+
+
+def test_a_state_dir_removed_under_a_worker_is_a_bad_request_and_made_again(tmp_path):
+    state = tmp_path / "state"
+    s = Serve(tmp_path, f"rm{os.getpid()}", *FAKE, "--state-dir", str(state))
+    try:
+        s.wait_log("worker 0 ready (epoch 1")
+        with Client.connect(s.name, 0, timeout=WAIT_S) as c:
+            state.rmdir()
+            _refused(c.op("IMPORT_STATE", tokens=list(range(1, 9)), ttl_ticks=5, path="x.bin"),
+                     "state directory", "cannot be opened")
+            assert c.tick(PlanBuilder(0)).status == Status.OK  # the worker ticks on
+        # The next worker makes it again; the one after sweeps what a writer that died left.
+        (pid,) = live_workers(s.name)
+        os.kill(pid, 9)
+        s.wait_log("worker 0 ready (epoch 2")
+        assert state.is_dir()
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        leftover = state / f".sf-write.{gone.pid}.0"
+        leftover.write_bytes(b"half an export")
+        live = state / f".sf-write.{os.getpid()}.0"  # a live writer's (this process): kept
+        live.write_bytes(b"in progress")
+        (pid,) = live_workers(s.name)
+        os.kill(pid, 9)
+        s.wait_log("worker 0 ready (epoch 3")
+        assert not leftover.exists() and live.exists()
+    finally:
+        s.close()
 
 
 def test_a_fifo_op_leaves_no_writer_waiting(state_daemon):

@@ -277,3 +277,9 @@ def test_a_slot_held_across_close_refuses_use(seg_name):
                 lambda: seg.prompt_ring.head):
         with pytest.raises(SegmentClosed):
             use()
+
+
+def test_a_segment_has_all_its_pages_when_made(segment):
+    """posix_fallocate at creation: a tmpfs that fills later cannot SIGBUS a first touch."""
+    st = os.stat(segment.path)
+    assert st.st_blocks * 512 >= st.st_size > 0
