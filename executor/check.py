@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from superfluid.abi import Determinism, PlanFlag, RingId, Sampling, Status, codec, ffi
+from superfluid.abi.plan_codec import PlanReject
 from superfluid.abi.records import LaneAdmit, TickPlan
-from superfluid.engine.plan import PlanReject
 from superfluid.executor.cache import CacheEntry
 from superfluid.executor.memory import check_memory
 from superfluid.executor.seeds import SeedUse, is_bare

@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable
 
 from superfluid.abi import ShedReason, Status, TickStatus
+from superfluid.abi.plan_codec import PlanReject, check_plan, decode_plan, plan_seq_of
 from superfluid.abi.records import ShedReport, TickEvents, TickMemCounters, TickPlan, TickTimings
-from superfluid.engine.plan import PlanReject, check_plan, decode_plan, plan_seq_of
 from superfluid.engine.runtime import FatalError, MemCounters, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check, empty_events_fit

@@ -25,8 +25,8 @@ from __future__ import annotations
 from superfluid.abi import CacheClass, Status
 
 _RESIDENT_PREFIX = int(CacheClass.RESIDENT_PREFIX_CLASS)
+from superfluid.abi.plan_codec import PlanReject
 from superfluid.abi.records import TickPlan
-from superfluid.engine.plan import PlanReject
 from superfluid.executor.cache import CacheEntry
 from superfluid.executor.seeds import SeedUse
 

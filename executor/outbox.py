@@ -16,8 +16,8 @@ from typing import Callable
 import msgpack
 
 from superfluid.abi import OpStatus, codec, lib
+from superfluid.abi.plan_codec import encode_bare_events_into
 from superfluid.abi.records import OpCompletion, OpEvents, PartialEmit, TickEvents, TickTimings
-from superfluid.engine.plan import encode_bare_events_into
 from superfluid.rings.queue import QueueTimeout
 
 BLOCKED_SLICE_S = 0.05  # waiting for event room: heartbeat, ops and the daemon this often

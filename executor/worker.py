@@ -26,8 +26,8 @@ import time
 import msgpack
 
 from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, ffi, lib
+from superfluid.abi.plan_codec import PlanReject, decode_plan, empty_plan, plan_seq_of
 from superfluid.abi.records import OpCompletion, QueueReset, TickEvents
-from superfluid.engine.plan import PlanReject, decode_plan, empty_plan, plan_seq_of
 from superfluid.executor.control import ASKED, Control
 from superfluid.executor.executor import Executor
 from superfluid.executor.outbox import Outbox, completion_bytes

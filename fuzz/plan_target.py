@@ -1,4 +1,4 @@
-"""Fuzz target for the plan decoder, `superfluid.engine.plan.decode_plan`.
+"""Fuzz target for the plan decoder, `superfluid.abi.plan_codec.decode_plan`.
 
 A queue slot is written by another process, so the decoder must answer any
 bytes with a TickPlan or a PlanReject (SPEC §1, §3 step 1) and nothing else.
@@ -47,9 +47,9 @@ from superfluid.abi import (
     codec,
     ffi,
 )
+from superfluid.abi.plan_codec import PlanReject, decode_plan
 from superfluid.abi.records import SPAN_ITEMS, RingRef, TickPlan
 from superfluid.client import PlanBuilder, sampling_params
-from superfluid.engine.plan import PlanReject, decode_plan
 
 Outcome = TickPlan | PlanReject
 

@@ -3,7 +3,7 @@
 A client sends an empty TickPlan to a server process and waits for its
 TickEvents, over the shared-memory queues, a unix socket and a pair of pipes.
 All three carry the same bytes and do the same codec work (the plan encoded
-by PlanBuilder, decoded by engine.plan.decode_plan; events encoded by
+by PlanBuilder, decoded by abi.plan_codec.decode_plan; events encoded by
 encode_events_into, decoded by decode_events); only the transport differs.
 They run in interleaved blocks so that drift in the machine hits all alike.
 
@@ -33,10 +33,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from superfluid.abi import Status, TickStatus, codec, ffi
-from superfluid.bench import ring_worker
+from superfluid.abi.plan_codec import decode_events, decode_plan, encode_events_into
 from superfluid.abi.records import TickEvents
+from superfluid.bench import ring_worker
 from superfluid.client import PlanBuilder
-from superfluid.engine.plan import decode_events, decode_plan, encode_events_into
 from superfluid.rings.queue import DEFAULT_SPIN_NS, QueueTimeout, SlotQueue
 from superfluid.rings.segment import Segment
 

@@ -11,8 +11,8 @@ import pytest
 
 from superfluid import abi
 from superfluid.abi import Connect, RingId, WorkerState, codec
+from superfluid.abi.plan_codec import decode_plan, encode_events_into
 from superfluid.abi.records import LaneEmit, RingRef, TickEvents
-from superfluid.engine.plan import decode_plan, encode_events_into
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment
 

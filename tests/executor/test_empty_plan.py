@@ -1,4 +1,4 @@
-"""Plans with no lists take a short path (engine.plan.empty_plan,
+"""Plans with no lists take a short path (abi.plan_codec.empty_plan,
 Executor.tick_empty, Worker._empty, encode_bare_events_into): it must leave
 the state, events, counters and metrics the general path leaves, and hand
 everything else to that path."""
@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from superfluid.abi import PLAN_SEQ_MAX, PlanFlag, Status, codec
-from superfluid.abi.records import TickEvents, TickMemCounters, TickTimings
-from superfluid.client.builder import PlanBuilder
-from superfluid.engine.plan import (
+from superfluid.abi.plan_codec import (
     PlanReject,
     decode_plan,
     empty_plan,
     encode_bare_events_into,
     encode_events_into,
 )
+from superfluid.abi.records import TickEvents, TickMemCounters, TickTimings
+from superfluid.client.builder import PlanBuilder
 from superfluid.testing.executor import WORKER_SEGMENT, admit_and_prefill, make_executor
 
 _U64 = st.integers(0, (1 << 64) - 1)

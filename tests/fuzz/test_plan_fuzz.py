@@ -10,12 +10,11 @@ import re
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from superfluid.abi import MsgKind, Status, codec
+from superfluid.abi.plan_codec import PlanReject
 from superfluid.abi.records import TickPlan
-from superfluid.engine.plan import PlanReject
 from superfluid.fuzz import plan_target
 
 SEEDS = plan_target.seed_corpus()

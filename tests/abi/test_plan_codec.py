@@ -9,9 +9,16 @@ import pytest
 from hypothesis import given, strategies as st
 
 from superfluid.abi import MAX_TOP_LOGPROBS, PLAN_SEQ_MAX, ParamFlag, PlanFlag, Status, codec, ffi
+from superfluid.abi.plan_codec import (
+    PlanReject,
+    decode_events,
+    decode_plan,
+    encode_events_into,
+    plan_seq_of,
+    reject_events,
+)
 from superfluid.abi.records import LaneAdmit, LaneRetire, RingRef, SamplingParams, TickEvents
 from superfluid.client import PlanBuilder, sampling_params
-from superfluid.engine.plan import PlanReject, decode_events, decode_plan, encode_events_into, plan_seq_of, reject_events
 
 PROMPT = RingRef(1, 0, 0, 4)
 
