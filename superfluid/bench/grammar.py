@@ -102,8 +102,8 @@ def model_params(quick: bool = False) -> dict[str, Any]:
 def model_dir(params: dict[str, Any]) -> Path:
     """write_tiny's checkpoint for params with the 32k BPE as its tokenizer.json,
     written once into the cache (renamed into place: readers never see half of it)."""
+    from superfluid.bench.bpe import bpe_tokenizer_json
     from superfluid.bench.engine import _cache_root
-    from superfluid.engine.bpe import bpe_tokenizer_json
     from superfluid.engine.tiny import write_tiny
 
     key = json.dumps({"format": _FORMAT, "bpe": params["vocab_size"], **params}, sort_keys=True)
@@ -249,11 +249,11 @@ def _valid(model: Path, n: int, max_new: int, seed: int) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
     from superfluid.abi import Sampling
+    from superfluid.bench.bpe import bpe_tokenizer_json
     from superfluid.client.builder import sampling_params
     from superfluid.client.local import LocalClient
     from superfluid.client.planner import Planner
     from superfluid.engine import load
-    from superfluid.engine.bpe import bpe_tokenizer_json
     from superfluid.executor import Executor
     from superfluid.executor.rings import LocalRings
 

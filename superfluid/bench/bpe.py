@@ -22,7 +22,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from .tiny import SPECIAL_TOKENS, _bytes_to_unicode
+from superfluid.engine.tiny import SPECIAL_TOKENS, _bytes_to_unicode
 
 _FORMAT = 1  # bump when what train_bpe writes for given arguments changes (the cache key)
 _SYLLABLES = [c + v for c in ("", *"bcdfghklmnprstvwz", "ch", "sh", "th", "st", "pr", "tr")

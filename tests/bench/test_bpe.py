@@ -1,4 +1,4 @@
-"""The locally trained byte-level BPE (engine/bpe.py): exactly the vocabulary
+"""The locally trained byte-level BPE (superfluid/bench/bpe.py): exactly the vocabulary
 asked, engine.tiny's id layout (bytes, then the specials, then merges), the
 same bytes from the same seed (and others from another), text round-trips,
 grammars compile over it, and the cache trains once."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from superfluid.engine import bpe
+from superfluid.bench import bpe
 from superfluid.engine.tiny import SPECIAL_TOKENS, _bytes_to_unicode
 from superfluid.executor.grammar import GrammarRegistry
 
