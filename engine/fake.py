@@ -68,8 +68,8 @@ from superfluid.engine.runtime import (
     RuntimeDescription,
     SampleSpec,
     TokenMasks,
-    Unsupported,
     UnknownSequence,
+    Unsupported,
     Vocabulary,
     check_masks,
 )
@@ -114,9 +114,9 @@ def _tables(seed: int, vocab: int, eos: tuple[int, ...]) -> np.ndarray:
 
 
 def _host_sampling() -> ModuleType | None:
-    """superfluid.engine.sampling if it is there (another part of the engine)."""
+    """superfluid.kernels.reference_sampler if it is there (the fake also runs without the kernels)."""
     try:
-        mod = importlib.import_module("superfluid.engine.sampling")
+        mod = importlib.import_module("superfluid.kernels.reference_sampler")
     except ImportError:
         return None
     return mod if callable(getattr(mod, "sample", None)) else None
@@ -545,7 +545,7 @@ class FakeRuntime(Runtime):
         for i, ((s, _), sp) in enumerate(zip(done, specs)):
             row = self._row(s.chain[-1], len(s.tokens))
             if i in mask_of:
-                from superfluid.engine.sampling import apply_bitmask
+                from superfluid.kernels.reference_sampler import apply_bitmask
 
                 apply_bitmask(row, mask_of[i])
             if sp.temperature > 0 and self._sampling is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from superfluid.abi import Determinism, ParamFlag, Sampling, ShedReason
 from superfluid.abi.records import AdmitResult
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
-from superfluid.executor import sampling as hs
+from superfluid.executor import host_sampling as hs
 from superfluid.executor.check import admitted_span
 from superfluid.executor.decode import lane_fault_code
 from superfluid.executor.lanes import Lane

@@ -10,10 +10,25 @@ from __future__ import annotations
 import numpy as np
 
 from superfluid.abi import Fault, Finish, Sampling, Status, TickStatus
-from superfluid.abi.records import LaneEmit, LaneLogprob, RingRef, ShedReport, SpecStats, TickEvents, TickTimings
-from superfluid.engine.runtime import (CapacityError, FatalError, Feed, LaneFault, RuntimeFailure, SampleSpec,
-                                      TokenMasks)
-from superfluid.executor import sampling as hs
+from superfluid.abi.records import (
+    LaneEmit,
+    LaneLogprob,
+    RingRef,
+    ShedReport,
+    SpecStats,
+    TickEvents,
+    TickTimings,
+)
+from superfluid.engine.runtime import (
+    CapacityError,
+    FatalError,
+    Feed,
+    LaneFault,
+    RuntimeFailure,
+    SampleSpec,
+    TokenMasks,
+)
+from superfluid.executor import host_sampling as hs
 from superfluid.executor.lanes import Lane, PendingRow
 from superfluid.rings.errors import RefError
 

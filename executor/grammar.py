@@ -8,7 +8,7 @@ prompt's tail, and that answers only "mask", "accept" and "complete". The
 masks of a round's grammar lanes fill in one call on llguidance's thread pool
 (it releases the GIL; in this thread where the pool would have one thread)
 into an int32 bitmask [n, ceil(V/32)]: the rows the
-samplers apply first (engine.runtime.TokenMasks, executor.sampling.pick).
+samplers apply first (engine.runtime.TokenMasks, executor.host_sampling.pick).
 
 EOS: the mask allows the eos ids exactly when the grammar may end here
 (llguidance's accepting state); once nothing but EOS can follow, the grammar

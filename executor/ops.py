@@ -18,10 +18,16 @@ import numpy as np
 from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
-from superfluid.executor import grammar as gr, sampling as hs, spec
-from superfluid.executor.op_fields import MAX_ERROR_BYTES, OpError, clip, echo
-from superfluid.executor.op_fields import field as _field, handle as _handle, u32 as _u32
-
+from superfluid.executor import grammar as gr, host_sampling as hs, spec
+from superfluid.executor.op_fields import (
+    MAX_ERROR_BYTES,
+    OpError,
+    clip,
+    echo,
+    field as _field,
+    handle as _handle,
+    u32 as _u32,
+)
 
 _F32_MAX = float(np.finfo(np.float32).max)
 

@@ -1,6 +1,6 @@
 """The on-device sampler: a torch implementation and a Triton kernel (SPEC §5).
 
-Both implement the algorithm in engine/sampling.py's docstring (the host
+Both implement the algorithm in kernels/reference_sampler.py's docstring (the reference
 sampler) and give the same token for the same row, params and position:
 
 - `sample_torch`: batched torch ops, on CPU or CUDA tensors; also the reference

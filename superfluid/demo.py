@@ -85,7 +85,7 @@ def workload(vocab: int, n: int, seed: int = 7) -> list[dict[str, Any]]:
 
 
 def _host_sampler(params: SamplingParams):
-    from superfluid.engine.sampling import sample
+    from superfluid.kernels.reference_sampler import sample
 
     def pick(row, position: int) -> int:
         # The client samples with the same generator the engine uses.

@@ -158,7 +158,7 @@ class _Clock:
 def _walk(grammar, reg, rng: np.random.Generator, n: int):
     """A fresh matcher walked n tokens into a document (uniform over what its
     mask allows; fewer if the document completes first)."""
-    from superfluid.engine.sampling import mask_allowed
+    from superfluid.kernels.reference_sampler import mask_allowed
 
     m = grammar.matcher()
     row = reg.bitmask(1)

@@ -195,7 +195,7 @@ def export_blob(rt: Runtime, seq: int) -> bytes | None:
 
 def host_sampling():
     # Part of the package: an ImportError is a failure, not a reason to skip the draw check.
-    return importlib.import_module("superfluid.engine.sampling")
+    return importlib.import_module("superfluid.kernels.reference_sampler")
 
 
 def ramp(rt: Runtime, n: int, start: int = 0) -> list[int]:

@@ -24,10 +24,10 @@ from superfluid.abi import (
 )
 from superfluid.abi.records import RingRef, SamplingParams
 from superfluid.client.builder import PlanBuilder, sampling_params
-from superfluid.engine import sampling as engine_sampling
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor, TickResult
 from superfluid.executor.seeds import is_bare
+from superfluid.kernels import reference_sampler as reference
 from superfluid.testing.executor import BIG_BUDGET, GREEDY, HOST, SAMPLE, emitted, make_executor, put
 from superfluid.testing.invariants import assert_unchanged, check_events, check_invariants, snapshot
 
@@ -286,7 +286,7 @@ class Planner:
                 continue
             if self.coin(0.85, default=True):
                 greedy = self.coin(0.5, default=True)
-                tok = engine_sampling.greedy(m.row) if greedy else self.i(0, desc.vocab_size - 1)
+                tok = reference.greedy(m.row) if greedy else self.i(0, desc.vocab_size - 1)
                 b.commit(m.tag, tok, m.nonce)
                 committing.add(m.tag)
                 used.add(m.tag)

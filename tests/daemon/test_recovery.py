@@ -19,8 +19,8 @@ from superfluid.abi.records import SamplingParams
 from superfluid.client import Client
 from superfluid.client.planner import Planner
 from superfluid.daemon.supervisor import Daemon
-from superfluid.engine.sampling import sample
 from superfluid.engine.tiny import default_model_dir
+from superfluid.kernels.reference_sampler import sample
 from superfluid.rings.segment import shm_dir
 from superfluid.testing.daemon import live_workers
 

@@ -30,9 +30,9 @@ from superfluid.daemon.status import read_status
 from superfluid.daemon.worker import add_runtime_args, runtime_options
 from superfluid.engine import load
 from superfluid.engine.mamba2_state import StatePool
-from superfluid.engine.sampling import sample
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor import Executor
+from superfluid.kernels.reference_sampler import sample
 from superfluid.rings.segment import shm_dir
 from superfluid.testing.daemon import live_workers
 from superfluid.testing.launch import python

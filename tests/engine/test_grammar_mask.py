@@ -1,5 +1,5 @@
 """Grammar masks on the engine's sampling path (SPEC §5): step_sampled with
-TokenMasks gives, bitwise, the host sampler's token (executor.sampling.pick with
+TokenMasks gives, bitwise, the host sampler's token (executor.host_sampling.pick with
 the same mask) for the same row, params and position, on the torch and Triton
 backends; with a negative control (the mask changes tokens). The masks come
 from real grammars over the tiny model's tokenizer, and every masked token is
@@ -18,7 +18,7 @@ from superfluid.client.builder import sampling_params
 from superfluid.engine import Feed, OutOfBounds, SampleSpec, TokenMasks, load
 from superfluid.engine.fake import FakeRuntime
 from superfluid.engine.tiny import write_tiny
-from superfluid.executor import sampling as hs
+from superfluid.executor import host_sampling as hs
 from superfluid.executor.grammar import GrammarRegistry
 from superfluid.kernels import sampling as ks
 

@@ -20,9 +20,10 @@ import pytest
 from superfluid.abi import Finish, Sampling, Status
 from superfluid.abi.records import SamplingParams
 from superfluid.client.builder import PlanBuilder, sampling_params
-from superfluid.engine import load, sampling as engine_sampling
+from superfluid.engine import load
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
+from superfluid.kernels import reference_sampler as reference
 from superfluid.testing.executor import BIG_BUDGET, emit_of, emitted, put, small_rings
 from superfluid.testing.invariants import check_invariants
 
@@ -76,8 +77,8 @@ def client_pick(row, s: Spec, sampled: int) -> int:
     """What a HOST lane's client draws: the engine's generator at base + sampled."""
     p = s.params
     if p.temperature <= 0:
-        return engine_sampling.greedy(row)
-    return engine_sampling.sample(row, p.temperature, p.top_k, p.top_p, p.min_p, s.base + sampled)
+        return reference.greedy(row)
+    return reference.sample(row, p.temperature, p.top_k, p.top_p, p.min_p, s.base + sampled)
 
 
 @dataclasses.dataclass

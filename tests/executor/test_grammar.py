@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from superfluid.abi import OpKind, OpStatus
-from superfluid.engine import load, sampling as es
+from superfluid.engine import load
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
 from superfluid.executor.grammar import KINDS, GrammarError, GrammarRegistry, GrammarsUnsupported
+from superfluid.kernels import reference_sampler as reference
 from superfluid.testing.executor import fake, small_rings
 
 V = 320  # the tiny model: 256 byte tokens (id == byte), specials 256..259, unused ids after
@@ -62,7 +63,7 @@ def reg(tok_json) -> GrammarRegistry:
 
 
 def allowed(bits_row: np.ndarray) -> set[int]:
-    return set(np.flatnonzero(es.mask_allowed(bits_row, V)).tolist())
+    return set(np.flatnonzero(reference.mask_allowed(bits_row, V)).tolist())
 
 
 def mask_of(m) -> np.ndarray:
@@ -82,8 +83,8 @@ def walk(reg, g, rng, *, masked: bool = True, max_steps: int = 300) -> tuple[byt
         row[256:] = -np.inf  # no specials or unused ids: an untrained row would pick them
         bits = mask_of(m)
         if masked:
-            es.apply_bitmask(row, bits)
-        tok = es.sample(row, 1.0, 0, 0.0, 0.0, int(rng.integers(0, 2**63)))
+            reference.apply_bitmask(row, bits)
+        tok = reference.sample(row, 1.0, 0, 0.0, 0.0, int(rng.integers(0, 2**63)))
         if masked:
             assert tok in allowed(bits)
         if not m.accept(tok):
@@ -214,8 +215,8 @@ def test_greedy_walks_on_the_masks_complete(reg):
         bias = (3 * rng.standard_normal(V)).astype(np.float32)
         for _ in range(300):
             row = bias + rng.standard_normal(V).astype(np.float32)
-            es.apply_bitmask(row, mask_of(m))
-            tok = es.greedy(row)
+            reference.apply_bitmask(row, mask_of(m))
+            tok = reference.greedy(row)
             assert m.accept(tok)
             if tok in EOS:
                 break

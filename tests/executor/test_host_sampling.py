@@ -15,10 +15,19 @@ from scipy.special import log_softmax as ref_log_softmax
 
 from superfluid.abi import MAX_TOP_LOGPROBS, Sampling
 from superfluid.client.builder import sampling_params
-from superfluid.engine import sampling as engine_sampling
-from superfluid.executor import sampling as hs
-from superfluid.executor.sampling import (PENALTY_WINDOW, GrammarMask, TokenLogprob, apply_logit_bias,
-                                          apply_penalties, as_bias_arrays, log_softmax, penalizes, pick)
+from superfluid.executor import host_sampling as hs
+from superfluid.executor.host_sampling import (
+    PENALTY_WINDOW,
+    GrammarMask,
+    TokenLogprob,
+    apply_logit_bias,
+    apply_penalties,
+    as_bias_arrays,
+    log_softmax,
+    penalizes,
+    pick,
+)
+from superfluid.kernels import reference_sampler as reference
 from superfluid.kernels.sampling import sample_torch
 
 INF = float("inf")
@@ -281,7 +290,7 @@ def test_host_pick_is_the_engine_and_torch_draw():
         for _ in range(60):
             row, p, pos = _random_case(rng, V)
             tok, _ = pick(row, SAMPLE, p, pos)
-            assert tok == engine_sampling.sample(row, p.temperature, p.top_k, p.top_p, p.min_p, pos)
+            assert tok == reference.sample(row, p.temperature, p.top_k, p.top_p, p.min_p, pos)
             assert tok == _torch_token(row, p, pos), (V, p, pos)
 
 
@@ -298,7 +307,7 @@ def test_host_pick_with_bias_and_penalties_draws_from_the_treated_row():
         apply_logit_bias(treated, bias)
         apply_penalties(treated, history, p, exempt)
         tok, _ = pick(row, SAMPLE, p, pos, bias=bias, history=history, exempt=exempt)
-        assert tok == engine_sampling.sample(treated, p.temperature, p.top_k, p.top_p, p.min_p, pos)
+        assert tok == reference.sample(treated, p.temperature, p.top_k, p.top_p, p.min_p, pos)
         assert tok == _torch_token(treated, p, pos)
 
 
@@ -432,8 +441,8 @@ def test_pick_never_writes_the_callers_row():
 
 def test_no_copy_when_nothing_applies_and_a_read_only_row_works(monkeypatch):
     seen = []
-    real = engine_sampling.sample
-    monkeypatch.setattr(hs.engine_sampling, "sample", lambda row, *a: seen.append(row) or real(row, *a))
+    real = reference.sample
+    monkeypatch.setattr(hs.reference, "sample", lambda row, *a: seen.append(row) or real(row, *a))
     row = np.random.default_rng(1).standard_normal(32).astype(np.float32)
     row.flags.writeable = False  # a view of the logits ring, say
     p = sampling_params(temperature=1.0, presence_penalty=1.0)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from superfluid.engine.sampling import sample, sample_u
 from superfluid.kernels import sampling as ks
+from superfluid.kernels.reference_sampler import sample, sample_u
 from superfluid.kernels.rng import position_to_int64
 from superfluid.kernels.sampling import sample_torch
 from superfluid.testing.kernels import KDEV, U64, needs_triton

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from superfluid.engine.sampling import apply_bitmask, greedy, mask_allowed, sample
 from superfluid.kernels import sampling as ks
+from superfluid.kernels.reference_sampler import apply_bitmask, greedy, mask_allowed, sample
 from superfluid.kernels.sampling import sample_torch
 from superfluid.testing.kernels import KDEV, U64, needs_triton, random_masks
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from superfluid.engine.sampling import mask_allowed
 from superfluid.kernels import cpu
+from superfluid.kernels.reference_sampler import mask_allowed
 from superfluid.kernels.sampling import apply_bitmask_torch, sample_torch
 from superfluid.testing.kernels import random_masks
 

@@ -1,10 +1,10 @@
-"""The executor's host sampler (SPEC §5): numpy only, one float32 logits row at a time.
+"""The host path of sampling (SPEC §5): a lane's row treated and drawn on the host, numpy only.
 
 A lane's row is treated in this order: grammar mask → logit bias → penalties over the
 last PENALTY_WINDOW committed tokens (repeat, presence, frequency; EOS and special
 tokens exempt) → [logprobs are taken here] → temperature → top-k → top-p → min-p →
-draw. Everything from temperature on is engine.sampling's: `pick` hands the treated
-row to engine.sampling.greedy / sample, the same counter-based generator as the
+draw. Everything from temperature on is the reference sampler's: `pick` hands the treated
+row to kernels.reference_sampler.greedy / sample, the same counter-based generator as the
 engine's device sampler, so a lane picked here and a lane picked in the engine get
 the same token for the same row, params and position.
 
@@ -23,7 +23,7 @@ from typing import Protocol, TypeAlias, runtime_checkable
 import numpy as np
 
 from superfluid.abi import MAX_TOP_LOGPROBS, Sampling
-from superfluid.engine import sampling as engine_sampling
+from superfluid.kernels import reference_sampler as reference
 
 PENALTY_WINDOW = 64
 """Penalties look at this many of the lane's most recent committed tokens."""
@@ -257,7 +257,7 @@ def pick(row: np.ndarray, sampling_mode: int, params: SamplingParamsLike, positi
         return x
 
     if mask is not None:
-        engine_sampling.apply_bitmask(writable(), mask)
+        reference.apply_bitmask(writable(), mask)
     if grammar is not None:
         grammar.mask(writable())
     if bias is not None and _bias_len(bias):
@@ -269,8 +269,8 @@ def pick(row: np.ndarray, sampling_mode: int, params: SamplingParamsLike, positi
 
     temperature = float(params.temperature)
     if sampling_mode == Sampling.GPU_GREEDY or not temperature > 0:
-        token = engine_sampling.greedy(x)
+        token = reference.greedy(x)
     else:
-        token = engine_sampling.sample(x, temperature, int(params.top_k), float(params.top_p),
+        token = reference.sample(x, temperature, int(params.top_k), float(params.top_p),
                                        float(params.min_p), position)
     return token, (token_logprob(x, token, want_logprobs) if want_logprobs > 0 else None)

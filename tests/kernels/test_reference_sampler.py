@@ -11,9 +11,16 @@ import torch
 from hypothesis import given, strategies as st
 from scipy import stats
 
-from superfluid.kernels.rng import (GOLDEN, MASK64, position_to_int64, splitmix64, uniform, uniform_np,
-                                   uniform_torch)
-from superfluid.engine.sampling import filtered_distribution, greedy, sample, sample_u
+from superfluid.kernels.reference_sampler import filtered_distribution, greedy, sample, sample_u
+from superfluid.kernels.rng import (
+    GOLDEN,
+    MASK64,
+    position_to_int64,
+    splitmix64,
+    uniform,
+    uniform_np,
+    uniform_torch,
+)
 
 INF = float("inf")
 NAN = float("nan")

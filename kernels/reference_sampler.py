@@ -1,6 +1,7 @@
-"""The host sampler (numpy): the executor's draw from a logits row (SPEC §5).
+"""The reference sampler (numpy): the one algorithm behind every draw from a logits row (SPEC §5).
 
-One generator on every path. This module, the torch device sampler and the
+One generator on every path. The host path (executor/host_sampling.py) draws
+with this module; the torch device sampler and the
 Triton kernel (kernels/sampling.py) implement the same algorithm, so the same
 row, params and position give the same token on every path.
 
