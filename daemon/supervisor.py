@@ -47,13 +47,13 @@ from typing import Any
 
 from superfluid.abi import WorkerState, codec, ffi
 from superfluid.abi.records import WorkerNotice
-from superfluid.executor.control import STOP
+from superfluid.daemon.control import STOP
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, SegmentConfig, segment_path
 
 from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
-from .worker import EXIT_UNSERVABLE
 from .status import pid_alive, segment_paths, worker_snapshot
+from .worker import EXIT_UNSERVABLE
 
 log = logging.getLogger("superfluid.daemon")
 

@@ -229,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     add_runtime_args(p)
     args = p.parse_args(argv)
 
-    from superfluid.executor import Executor, SegmentRings
-    from superfluid.executor.control import Control
-    from superfluid.executor.worker import Worker
+    from superfluid.daemon.control import Control
+    from superfluid.daemon.segment_rings import SegmentRings
+    from superfluid.daemon.worker_loop import Worker
+    from superfluid.executor import Executor
     from superfluid.rings.errors import SegmentError
     from superfluid.rings.segment import Segment, SegmentConfig
 

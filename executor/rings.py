@@ -1,8 +1,9 @@
 """The data rings and planner flags as a tick sees them.
 
-`SegmentRings` is a worker's segment; `LocalRings` is the same C ring code
-over private memory, for the in-process Executor (tests, embedders): the
-same generation rules either way.
+`TickRings` is the interface; `LocalRings` is the C ring code over private
+memory, for the in-process Executor (tests, embedders). A worker's segment
+is daemon/segment_rings.py's SegmentRings: the same generation rules
+either way.
 """
 
 from __future__ import annotations
@@ -37,23 +38,6 @@ class TickRings:
 
     def latency_wanted(self) -> bool:
         return False
-
-
-class SegmentRings(TickRings):
-    def __init__(self, segment):
-        self.segment = segment
-        self.prompt = segment.prompt_ring
-        self.tokens = segment.token_ring
-        self.logits = segment.logits_ring
-        h = segment.header
-        self._yield = ffi.addressof(h, "yield_requested")
-        self._latency = ffi.addressof(h, "latency_wanted")
-
-    def yield_requested(self) -> bool:
-        return bool(lib.sf_load_acquire_u32(self._yield))
-
-    def latency_wanted(self) -> bool:
-        return bool(lib.sf_load_acquire_u32(self._latency))
 
 
 class _Memory:

@@ -18,8 +18,8 @@ import sys
 import traceback
 
 import superfluid.daemon.worker as worker
+import superfluid.daemon.worker_loop  # noqa: F401
 import superfluid.engine.fake  # noqa: F401  the imports a worker pays, paid once here
-import superfluid.executor.worker  # noqa: F401
 
 
 def _child(argv: list[str]) -> None:

@@ -188,9 +188,10 @@ def test_tick_empty_declines_without_changing_anything():
 
 def test_worker_answers_an_empty_plan_as_the_general_path(seg_name):
     from superfluid.daemon.metrics import WorkerMetrics
+    from superfluid.daemon.segment_rings import SegmentRings
+    from superfluid.daemon.worker_loop import Worker
     from superfluid.engine.fake import FakeRuntime
-    from superfluid.executor import Executor, SegmentRings
-    from superfluid.executor.worker import Worker
+    from superfluid.executor import Executor
     from superfluid.rings.segment import Segment
 
     seg = Segment.create(seg_name, 0, WORKER_SEGMENT)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from superfluid.abi import Status
 from superfluid.client.builder import PlanBuilder
-from superfluid.executor import Executor, SegmentRings
-from superfluid.executor.worker import Worker
+from superfluid.daemon.segment_rings import SegmentRings
+from superfluid.daemon.worker_loop import Worker
+from superfluid.executor import Executor
 from superfluid.testing.executor import admit_and_prefill, fake, make_executor
 from superfluid.testing.heads_up import woken_by
 

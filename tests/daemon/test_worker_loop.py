@@ -12,7 +12,7 @@ import pytest
 
 from superfluid.abi import MsgKind, OpStatus, PlanFlag, Status, WorkerState, codec
 from superfluid.client import PlanBuilder
-from superfluid.executor.control import STOP
+from superfluid.daemon.control import STOP
 from superfluid.rings.segment import Segment
 from superfluid.testing.executor import WORKER_SEGMENT
 
@@ -20,10 +20,11 @@ FORK = mp.get_context("fork")
 
 
 def _serve(name: str, epoch: int, fatal_after: int | None, fault_injection: bool, control_fd: int) -> None:
+    from superfluid.daemon.control import Control
+    from superfluid.daemon.segment_rings import SegmentRings
+    from superfluid.daemon.worker_loop import Worker
     from superfluid.engine.fake import FakeRuntime
-    from superfluid.executor import Executor, SegmentRings
-    from superfluid.executor.control import Control
-    from superfluid.executor.worker import Worker
+    from superfluid.executor import Executor
 
     seg = Segment.open(name, 0)
     rt = FakeRuntime(vocab_size=64, max_seq_len=128, page=4, engine_sampling=True)
@@ -46,7 +47,7 @@ def worker(seg_name):
         theirs.close()
         seg.control = ours  # the daemon's end: the tests stop the worker through it
         procs.append((p, seg))
-        from superfluid.executor.worker import wait_ready
+        from superfluid.daemon.worker_loop import wait_ready
 
         wait_ready(seg, epoch, 30)
         return seg, epoch, p
@@ -137,7 +138,7 @@ def test_an_unread_stream_stalls_a_tick_once_not_per_token(worker):
 
     from superfluid.abi import ParamFlag
     from superfluid.abi.records import SamplingParams
-    from superfluid.executor.outbox import PARTIAL_WAIT_S
+    from superfluid.daemon.outbox import PARTIAL_WAIT_S
 
     seg, epoch, _ = worker()
     noeos = SamplingParams(flags=int(ParamFlag.IGNORE_EOS))
@@ -188,9 +189,10 @@ def test_a_fatal_runtime_error_exits_70(worker):
 def test_completions_that_overflow_a_tick_go_in_the_next_messages(seg_name):
     # In-process: the worker's outbox over a real segment, no worker loop.
     from superfluid.abi.records import OpCompletion, TickEvents
+    from superfluid.daemon.segment_rings import SegmentRings
+    from superfluid.daemon.worker_loop import Worker
     from superfluid.engine.fake import FakeRuntime
-    from superfluid.executor import Executor, SegmentRings
-    from superfluid.executor.worker import Worker
+    from superfluid.executor import Executor
 
     seg = Segment.create(seg_name, 0, WORKER_SEGMENT)
     try:

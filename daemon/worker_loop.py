@@ -28,9 +28,9 @@ import msgpack
 from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, ffi, lib
 from superfluid.abi.plan_codec import PlanReject, decode_plan, empty_plan, plan_seq_of
 from superfluid.abi.records import OpCompletion, QueueReset, TickEvents
-from superfluid.executor.control import ASKED, Control
+from superfluid.daemon.control import ASKED, Control
+from superfluid.daemon.outbox import Outbox, completion_bytes
 from superfluid.executor.executor import Executor
-from superfluid.executor.outbox import Outbox, completion_bytes
 from superfluid.rings.queue import SpinBudget
 from superfluid.rings.repair import repair_geometry, repair_identity
 from superfluid.rings.segment import parse_segment_path
