@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import MetricsHandler
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status
-from superfluid.executor.spec import MAX_SLOTS as _SPEC_SLOTS
-from superfluid.executor.spec_gate import MAX_BUCKET as _SPEC_MAX_BUCKET
+from superfluid.executor.speculation import MAX_SLOTS as _SPEC_SLOTS
+from superfluid.executor.speculation_gate import MAX_BUCKET as _SPEC_MAX_BUCKET
 
 PREFIX = "superfluid_worker_"
 DAEMON_LABEL = "daemon"  # the daemon's --name

@@ -12,7 +12,7 @@ from superfluid.executor.check import admitted_span
 from superfluid.executor.decode import lane_fault_code
 from superfluid.executor.lanes import Lane
 from superfluid.executor.seeds import SeedUse
-from superfluid.executor.spec import LaneSpec, drafts
+from superfluid.executor.speculation import LaneSpec, drafts
 
 _GREEDY, _HOST = int(Sampling.GPU_GREEDY), int(Sampling.HOST)
 _IGNORE_EOS = int(ParamFlag.IGNORE_EOS)
@@ -68,7 +68,7 @@ class AdmitPhase:
             if cursor is not None:  # the check replayed it; the lane borrows the grammar until its end
                 ex.grammars.borrow(a.grammar_handle, a.lane_tag)
                 lane.grammar_handle, lane.grammar = a.grammar_handle, cursor
-            # A lane that drafts gets its strategy's cert and keeps its class (spec_decode.py
+            # A lane that drafts gets its strategy's cert and keeps its class (speculation_decode.py
             # says why); one that cannot draft (HOST, grammar, bias, logprobs) gets cert 0.
             cert = 0
             if a.strategy_slot:

@@ -2,7 +2,7 @@
 feeds its pending token and picks the next (on the device where the runtime
 samples, else on the host), decode_replay's rounds, finishes, HOST rows to
 the logits ring, and the TickEvents that report the tick. Drafting lanes'
-rounds (a draft verified in the same feed) are spec_decode.py's.
+rounds (a draft verified in the same feed) are speculation_decode.py's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `Executor.tick(plan)` is SPEC §3–§4: `check` (check.py, memory.py) reads
 the whole plan against the state and either rejects it (a status; nothing
 changes) or returns a Verdict; `apply` then runs the plan's phases in order
-(tick.py, decode.py, spec_decode.py) and returns TickEvents. Ops (SPEC §7)
+(tick.py, decode.py, speculation_decode.py) and returns TickEvents. Ops (SPEC §7)
 go through `op` (ops.py). The executor never touches tensors: it drives the
 runtime through its primitives and samples on the host with numpy.
 """
@@ -27,8 +27,8 @@ from superfluid.executor.grammar import GrammarRegistry
 from superfluid.executor.lanes import FaultedLanes, Lane
 from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
-from superfluid.executor.spec import StrategyTable
-from superfluid.executor.spec_gate import SpecGate
+from superfluid.executor.speculation import StrategyTable
+from superfluid.executor.speculation_gate import SpecGate
 from superfluid.executor.state_dir import StateDir
 from superfluid.executor.tick import Tick
 
@@ -104,7 +104,7 @@ class Executor:
         self.tick_count = 0
         self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias
         self.grammars = GrammarRegistry.for_runtime(runtime)  # handles, and the lane borrowing each
-        self.strategies = StrategyTable()  # op INSTALL_STRATEGY's slots (spec.py)
+        self.strategies = StrategyTable()  # op INSTALL_STRATEGY's slots (speculation.py)
         self.spec_gate = SpecGate(self.strategies)  # whether drafting pays; .snapshot() for metrics and benches
         self.next_handle = 1
         self.inject_fault: dict[int, int] = {}  # lane tag -> fault code, fired at its next decode

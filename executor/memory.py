@@ -16,7 +16,7 @@ publishing retires (only where the plan allows RESIDENT_PREFIX_CLASS, up to
 max_evict_bytes, never below protected_quota_bytes), and from taking seed
 entries over. Else NeedsReplan: the count is exact, so a plan that fits is
 never refused and one that does not is never applied. Drafts are not
-counted: a drafting lane (spec_decode.py) drafts only into cells no lane was
+counted: a drafting lane (speculation_decode.py) drafts only into cells no lane was
 promised here, so speculation never makes a plan NeedsReplan.
 """
 

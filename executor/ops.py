@@ -1,6 +1,6 @@
 """Ops (SPEC §7): msgpack maps {op, op_id, ...} that change executor state
 between ticks. An op's failure is its completion's status; it never affects
-a tick. INSTALL_STRATEGY fills a slot of spec.py's table (Unsupported
+a tick. INSTALL_STRATEGY fills a slot of speculation.py's table (Unsupported
 where the runtime cannot verify drafts). Grammars compile in grammar.py; a
 runtime without a tokenizer answers Unsupported. The seed ops are in
 seed_ops.py, the lane ops in lane_ops.py. An error message quotes at most
@@ -18,7 +18,7 @@ import numpy as np
 from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
-from superfluid.executor import grammar as gr, host_sampling as hs, spec
+from superfluid.executor import grammar as gr, host_sampling as hs, speculation as spec
 from superfluid.executor.op_fields import (
     MAX_ERROR_BYTES,
     OpError,

@@ -1,7 +1,7 @@
 """Running an accepted plan (SPEC §4), phase by phase, in the SPEC's order:
 evictions the check planned, retires (publish or free), cache settling,
 commits, then (admit.py) seed takeovers and admits, seeded or fresh, then
-prefill; decode and the events are in decode.py, drafting in spec_decode.py.
+prefill; decode and the events are in decode.py, drafting in speculation_decode.py.
 Nothing here can reject: the check has made sure that everything fits, so a
 runtime failure is a lane's fault or fatal. The retires and the cache's
 upkeep (RetirePhase) also run op RETIRE_LANES.
@@ -16,12 +16,12 @@ import numpy as np
 from superfluid.abi import PlanFlag, ShedKind, ShedReason
 from superfluid.abi.records import LaneFault as LaneFaultRecord, ShedEntry, TickPlan
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
+from superfluid.executor.admit import AdmitPhase
 from superfluid.executor.cache import CacheEntry
 from superfluid.executor.check import Verdict
-from superfluid.executor.admit import AdmitPhase
 from superfluid.executor.decode import DecodePhase, lane_fault_code
 from superfluid.executor.lanes import Lane
-from superfluid.executor.spec_decode import SpecPhase
+from superfluid.executor.speculation_decode import SpecPhase
 
 # A prompt shorter than this is not checkpointed on an exact_only runtime: it is cheap to run again.
 CHECKPOINT_MIN_TOKENS = 128
@@ -190,7 +190,7 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
         self.partial = bool(plan.flags & _PARTIAL_EMITS) and ex.partial_sink is not None
         self.yielded = False
         self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
-        # Drafting (spec_decode.py), filled only where a lane of an installed strategy decodes.
+        # Drafting (speculation_decode.py), filled only where a lane of an installed strategy decodes.
         self.spec_over: dict[int, int] = {}  # drafting lanes: overshoot left
         self.spec_stats: dict[int, list[int]] = {}  # lanes of a strategy: [proposed, accepted, cert in effect]
         self.spec_rows: dict[int, tuple] = {}  # a round's verified feeds: tag -> (rows, draft)

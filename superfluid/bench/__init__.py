@@ -16,7 +16,7 @@ BENCHES: tuple[str, ...] = (
     "superfluid.bench.e2e",
     "superfluid.bench.prefix",
     "superfluid.bench.grammar",
-    "superfluid.bench.spec",
+    "superfluid.bench.speculation",
 )
 
 

@@ -64,7 +64,7 @@ MIXED = [
 def oracle(spec: dict) -> tuple[list[int], str]:
     """The request decoded directly on an in-process fake runtime built as
     the worker builds its own: one feed at a time, no executor, no planner."""
-    from superfluid.engine import sampling as engine_sampling
+    from superfluid.kernels import reference_sampler as reference
 
     rt = FakeRuntime(vocab_size=512, max_seq_len=512, max_batch=16, page=4, engine_sampling=True,
                      engine_draws=True, prefill_step_tokens=512)
@@ -80,7 +80,7 @@ def oracle(spec: dict) -> tuple[list[int], str]:
             tok = spec["host_sampler"](row, pos)
         elif sampling == GPU_SAMPLE:
             p = params
-            tok = engine_sampling.sample(row, p.temperature, p.top_k, p.top_p, p.min_p, pos)
+            tok = reference.sample(row, p.temperature, p.top_k, p.top_p, p.min_p, pos)
         else:
             tok = int(np.argmax(row))
         out.append(int(tok))

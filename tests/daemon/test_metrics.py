@@ -13,8 +13,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status, WorkerState
-from superfluid.abi.records import (LaneEmit, LanePrefill, OpCompletion, ShedEntry, ShedReport, SpecStats,
-                                    TickEvents, TickMemCounters, TickPlan, TickTimings)
+from superfluid.abi.records import (
+    LaneEmit,
+    LanePrefill,
+    OpCompletion,
+    ShedEntry,
+    ShedReport,
+    SpecStats,
+    TickEvents,
+    TickMemCounters,
+    TickPlan,
+    TickTimings,
+)
 from superfluid.daemon.metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
 from superfluid.daemon.status import worker_snapshot
 from superfluid.testing.launch import python
@@ -188,8 +198,8 @@ def test_counters_carry_over_a_restart_and_gauges_do_not(block: WorkerMetrics, s
 
 
 def test_speculation_counters_and_the_gate_by_slot_and_lanes(block: WorkerMetrics, scraper: Scraper) -> None:
-    from superfluid.executor.spec import StrategyTable
-    from superfluid.executor.spec_gate import MIN_SAMPLES, SpecGate
+    from superfluid.executor.speculation import StrategyTable
+    from superfluid.executor.speculation_gate import MIN_SAMPLES, SpecGate
 
     w = WorkerMetrics.from_fd(block.fd)
     spec = (SpecStats(proposed=8, accepted=5, cert_id_in_effect=1), SpecStats(), SpecStats(3, 0, 2))
@@ -303,7 +313,7 @@ def test_snapshot_of_a_real_segment(segment: Any, block: WorkerMetrics) -> None:
 
 def test_partial_emits_dropped_on_a_full_stream_are_counted(segment: Any, block: WorkerMetrics, scraper: Scraper,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from superfluid.executor import outbox
+    from superfluid.daemon import outbox
 
     monkeypatch.setattr(outbox, "PARTIAL_WAIT_S", 0.01)
     out = outbox.Outbox(segment, 1, WorkerMetrics.from_fd(block.fd), lambda: None)

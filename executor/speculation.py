@@ -15,7 +15,7 @@ occurrence, copied on into the draft itself where they run out (so a cycle
 shorter than the draft proposes itself again). LaneSpec keeps an index of
 every n-gram's latest start, grown by the tokens committed since its last
 draft, so a draft costs O(new tokens), not O(history). Verification and
-acceptance are decode's (spec_decode.py); the keep/stop gate is spec_gate.py.
+acceptance are decode's (speculation_decode.py); the keep/stop gate is speculation_gate.py.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from superfluid.abi import Determinism, Finish, OpKind, OpStatus, Status
 from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine.fake import FakeRuntime
-from superfluid.executor import spec
-from superfluid.executor.spec_decode import SpecPhase
+from superfluid.executor import speculation as spec
+from superfluid.executor.speculation_decode import SpecPhase
 from superfluid.testing.executor import BIG_BUDGET, GREEDY, HOST, SAMPLE, fake, make_executor, put
 from superfluid.testing.invariants import assert_reject, snapshot
 from superfluid.testing.speculation import Cycler, Driver, Req, clock, install

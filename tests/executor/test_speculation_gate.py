@@ -7,8 +7,8 @@ made, never a token."""
 from __future__ import annotations
 
 from superfluid.engine.fake import FakeRuntime
-from superfluid.executor import spec_gate as sg
-from superfluid.executor.spec import StrategyTable
+from superfluid.executor import speculation_gate as sg
+from superfluid.executor.speculation import StrategyTable
 from superfluid.testing.executor import make_executor
 from superfluid.testing.speculation import Cycler, Driver, Req, install
 

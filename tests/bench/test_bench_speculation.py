@@ -1,4 +1,4 @@
-"""Smoke test of `superfluid bench spec --quick`: it runs, gives the
+"""Smoke test of `superfluid bench speculation --quick`: it runs, gives the
 documented JSON keys with sane values, drafts hit on the hit workload, and
 every request's tokens are the same with the strategy and without. No
 timing thresholds: this machine's speed is not what is tested."""
@@ -15,7 +15,7 @@ from superfluid.cli import main
 @pytest.mark.timeout(300)
 def test_bench_spec_quick_keys(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
-    assert main(["bench", "spec", "--json", "--quick"]) == 0
+    assert main(["bench", "speculation", "--json", "--quick"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["identical"] is True and res["meets"]["identical"] is True
     for key in ("hit_speedup", "miss_speedup", "acceptance", "miss_acceptance"):

@@ -1,4 +1,4 @@
-"""`superfluid bench spec`: prompt-lookup speculation, where drafts hit and where they miss.
+"""`superfluid bench speculation` (or `spec`): prompt-lookup speculation, where drafts hit and where they miss.
 
 Two workloads, each at batch 1, 8 and 32 (B requests at once), each served
 with the strategy and without it in the same run, through the reference
@@ -96,7 +96,7 @@ _WARMUP_MAX = 12  # warm-up batches at most, while the gate explores
 
 
 def _settled(ex, B: int) -> bool:
-    from superfluid.executor.spec_gate import bucket
+    from superfluid.executor.speculation_gate import bucket
 
     for st in ex.spec_gate.snapshot()["strategies"]:
         for w in st["buckets"]:
@@ -213,7 +213,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("spec", help="prompt-lookup speculation: drafts that hit and miss, with and without",
+    p = sub.add_parser("speculation", aliases=["spec"], help="prompt-lookup speculation: drafts that hit and miss, with and without",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32)")
