@@ -1,6 +1,6 @@
 """The plan codec: a queue slot to a checked TickPlan, events back to a slot.
 
-`decode_plan` is step 1 of SPEC §3: the message, its struct size and every
+`decode_plan` is step 1 of contract §3: the message, its struct size and every
 span (RejectBounds), enum values and flag bits (RejectIllegalCombination),
 numeric ranges (RejectBounds), and duplicate lane tags inside any list
 (RejectIllegalCombination). Whatever it returns is plain data the tick can
@@ -34,7 +34,7 @@ U32_MAX = (1 << 32) - 1
 
 
 class PlanReject(Exception):
-    """A plan refused whole. `status` is the SPEC §3 status, `field` names
+    """A plan refused whole. `status` is the contract §3 status, `field` names
     the offending field (e.g. "admits[2].params.top_p")."""
 
     def __init__(self, status: int, field: str, message: str):

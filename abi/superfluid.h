@@ -1,5 +1,5 @@
 /*
- * superfluid.h — the superfluid executor ABI (SPEC.md §1–§3, §7, §8).
+ * superfluid.h — the superfluid executor ABI (docs/contract.md §1–§3, §7, §8).
  *
  * The one description of every record that crosses a process boundary. The
  * Python side compiles this file through cffi and reads its layout from the
@@ -59,9 +59,9 @@ extern "C" {
 /* An error message quotes at most this many bytes of what it answers. */
 #define SF_ECHO_BYTES 64
 
-/* ------------------------------------------------- plan status (SPEC §3) */
+/* ------------------------------------------------- plan status (contract §3) */
 /* TickEvents.status: the verdict on a whole plan. Anything but OK means the
- * plan changed nothing; TickEvents.message names the field (SPEC §3: the rules). */
+ * plan changed nothing; TickEvents.message names the field (contract §3: the rules). */
 #define SF_STATUS_OK 0
 #define SF_STATUS_RejectIllegalCombination 1
 #define SF_STATUS_RejectBudget 2
@@ -148,7 +148,7 @@ extern "C" {
 #define SF_MSG_WORKER 6   /* WorkerNotice, event queue (daemon: restart, give-up) */
 #define SF_MSG_RESET 7    /* QueueReset, event queue (worker: a corrupted queue was reset) */
 
-/* ----------------------------------------------------- op kinds (SPEC §7) */
+/* ----------------------------------------------------- op kinds (contract §7) */
 #define SF_OP_DESCRIBE 1
 #define SF_OP_LEASE_SEED 2
 #define SF_OP_RELEASE_SEED 3
@@ -213,18 +213,18 @@ extern "C" {
  *   handle = the grammar, for LaneAdmit.grammar_handle; value = compile time in microseconds.
  *   BadRequest: a field, or a grammar the library refuses (its message); Unsupported: the runtime
  *   has no tokenizer (checked before the fields); Capacity: 1024 grammars are registered.
- *   An admit borrows it (SPEC §3 step 4; else RejectIllegalCombination): registered, named by
+ *   An admit borrows it (contract §3 step 4; else RejectIllegalCombination): registered, named by
  *   one admit of the plan, not with HOST sampling, borrowed by no live lane (one retired in the
  *   same plan gives it back first), and its fresh matcher takes the prompt's last
  *   grammar_replay tokens (a re-admit after a restart: grammar_replay = tokens generated). The
- *   lane's rows are masked first (SPEC §5) on the engine's sampling path; its retire or fault
+ *   lane's rows are masked first (contract §5) on the engine's sampling path; its retire or fault
  *   gives the grammar back.
  * RELEASE_GRAMMAR  handle u64 > 0 (required). Unregisters it at once, borrowed or not: a lane
  *   admitted with it keeps its grammar to its end; later admits naming it are refused.
  *   handle = it. UnknownHandle: no such grammar.
  * REGISTER_LOGIT_BIAS  bias (required): a map {token id: value} or an array of [token id, value]
  *   pairs; ids < vocab_size, each once; values int or float with |value| <= FLT_MAX, or -inf to ban
- *   the token (NaN and +inf are refused); {} is allowed. Added to a row before the penalties (SPEC
+ *   the token (NaN and +inf are refused); {} is allowed. Added to a row before the penalties (contract
  *   §5; not to a HOST lane's logits row, which is the model's own). handle = the bias, for
  *   LaneAdmit.logit_bias_handle (any number of lanes); value = entries.
  * RELEASE_LOGIT_BIAS  handle u64 > 0 (required). handle = it; lanes admitted with it keep it.
@@ -293,7 +293,7 @@ extern "C" {
 #define SF_OPST_UnknownOp 2      /* "op" names no SF_OP_* (OpCompletion.op is then 0) */
 #define SF_OPST_UnknownHandle 3  /* no such handle: RELEASE_*, EXPORT_ENTRY */
 #define SF_OPST_Refused 4        /* INJECT_FAULT without fault injection; in-process, a fatal error */
-#define SF_OPST_Unsupported 5    /* not here: grammars (no tokenizer), strategies (not yet) */
+#define SF_OPST_Unsupported 5    /* not here: grammars (no tokenizer), strategies (no step_rows) */
 #define SF_OPST_NoMatch 6        /* nothing to act on: no usable prefix (LEASE_SEED), no such lane */
 #define SF_OPST_Capacity 7       /* a table or the pool is full, or the completion fits no event slot */
 #define SF_OPST_StaleSession 8   /* an earlier session's op: not run (op 0; op_id if it could be read) */
@@ -313,7 +313,7 @@ extern "C" {
 #define SF_WORKER_DEAD 5      /* exited or killed; the daemon restarts it */
 #define SF_WORKER_GAVE_UP 6   /* crash loop: the daemon will not restart it */
 
-/* --------------------------------------------- RuntimeDesc.flags (SPEC §8) */
+/* --------------------------------------------- RuntimeDesc.flags (contract §8) */
 /* What the runtime can do (RuntimeDesc.flags; DESCRIBE's runtime bools say the same). */
 #define SF_RT_TRUNCATE_PARTIAL 1    /* a sequence can be cut to any length (else to 0 or all of it) */
 #define SF_RT_COPY_SHARES_CELLS 2   /* a copy shares full KV blocks with its source */
@@ -413,7 +413,7 @@ typedef struct MsgHeader {
     uint64_t session;       /* plans, ops: the sender's; replies: exactly the one answered; notices: 0 */
 } MsgHeader;
 
-/* SPEC §5 parameters of a lane; planner sets, fixed for the lane's life. */
+/* contract §5 parameters of a lane; planner sets, fixed for the lane's life. */
 typedef struct SamplingParams {
     float temperature;       /* <= 0: greedy; finite */
     uint32_t top_k;          /* 0 = off */
@@ -472,7 +472,8 @@ typedef struct LaneRetire {
     uint8_t _pad0[7];
 } LaneRetire;
 
-/* In-process embedders only: called for each token as it is sampled. */
+/* Reserved: the executor calls no pointer from a plan (across processes it is cleared; in
+ * process, partial emits go to Executor.partial_sink and, across processes, the stream queue). */
 typedef void (*sf_partial_emit_fn)(void *user, uint64_t lane_tag, const uint32_t *tokens, uint32_t n);
 
 /* One tick's plan. Planner writes it into a plan-queue slot (SF_MSG_PLAN). */
@@ -490,7 +491,7 @@ typedef struct TickPlan {
     Span decodes;                      /* LaneDecode[] */
     Span commits;                      /* LaneCommit[], applied before everything but retires */
     Span retires;                      /* LaneRetire[] */
-    uint64_t on_partial_emit;          /* sf_partial_emit_fn in-process; ignored across processes */
+    uint64_t on_partial_emit;          /* reserved (sf_partial_emit_fn); never called */
     uint64_t partial_emit_user;        /* its user pointer */
 } TickPlan;
 
@@ -638,7 +639,7 @@ typedef struct WorkerNotice {
     uint32_t _pad0;
 } WorkerNotice;
 
-/* SPEC §8: what the runtime under the executor can do. The worker writes it when it
+/* contract §8: what the runtime under the executor can do. The worker writes it when it
  * starts (and puts it back if overwritten); DESCRIBE reports the same and more. */
 typedef struct RuntimeDesc {
     char runtime_id[SF_RUNTIME_ID_BYTES];  /* NUL-padded UTF-8, cut to 32 bytes (DESCRIBE: whole) */
@@ -751,7 +752,7 @@ typedef struct SegmentHeader {
 
 /* =========================================================== sessions
  *
- * How a planner (any language) connects to a worker, SPEC §10:
+ * How a planner (any language) connects to a worker, contract §10:
  *
  * 1. Find it: the segment of worker I of daemon NAME is the file
  *    $SUPERFLUID_SHM_DIR/superfluid.NAME.I (default directory /dev/shm; NAME is
@@ -785,7 +786,7 @@ typedef struct SegmentHeader {
  *    leases and handles with it. sf_wait_ready with after_epoch = the old epoch
  *    waits for the next one; keep the session, keep plan_seq growing, and
  *    re-admit each lane with prompt + generated, decode_replay = generated,
- *    rng_counter_base = base + sampled (SPEC §9). It says SF_WAIT_GONE when no
+ *    rng_counter_base = base + sampled (contract §9). It says SF_WAIT_GONE when no
  *    worker is coming: GAVE_UP (until the daemon is sent SIGHUP), STOPPED (the
  *    daemon shuts down: stop_requested), or the daemon is dead.
  *

@@ -1,10 +1,10 @@
 """The planner's connection to one worker: plans out, events in, ops, rings.
 
-`Client` wraps a worker's segment (SPEC §1) with the waits a planner needs:
+`Client` wraps a worker's segment (contract §1) with the waits a planner needs:
 every wait has a timeout, watches the worker's epoch, and a worker that died
 or was replaced surfaces as one exception, `WorkerRestarted`, from whichever
 wait noticed it. After `reconnect()` the client talks to the new worker; the
-planner then re-admits its lanes (SPEC §9).
+planner then re-admits its lanes (contract §9).
 
 One client per segment: the queues are single-producer single-consumer, and
 the client is the plan/op producer and the event/stream consumer. Connecting
@@ -457,7 +457,7 @@ class Client:
     # ------------------------------------------------------------------ ops
 
     def op(self, name: str, timeout: float | None = None, **fields: Any) -> OpCompletion:
-        """Run op `name` (SPEC §7, e.g. "DESCRIBE", "INJECT_FAULT") and wait
+        """Run op `name` (contract §7, e.g. "DESCRIBE", "INJECT_FAULT") and wait
         for its completion, whether it comes between ticks (OpEvents) or in a
         tick's events (those events stay for wait_events/tick)."""
         deadline = time.monotonic() + self._t(timeout)

@@ -1,4 +1,4 @@
-"""The reference planner's grammars (SPEC §3 step 4, §7).
+"""The reference planner's grammars (contract §3 step 4, §7).
 
 A grammar handle is borrowed by one lane at a time, so the planner
 registers each constrained request's grammar for that request alone, when

@@ -30,7 +30,7 @@ class LocalClient:
         executor.partial_sink = lambda seq, tag, tok, idx: self._partials.append(PartialEmit(seq, tag, tok, idx))
 
     def op(self, name: str, timeout: float | None = None, **fields: Any) -> OpCompletion:
-        """Run op `name` (SPEC §7) at once: no tick is running in between."""
+        """Run op `name` (contract §7) at once: no tick is running in between."""
         return self.ex.op({"op": name, "op_id": next(self._op_ids), **fields})
 
     def partial_emits(self) -> list[PartialEmit]:

@@ -15,7 +15,7 @@ only the records of abi/superfluid.h and the client's queue calls. A tick:
               really got (shed chunks), emitted tokens and finishes, host rows
               to sample, faulted lanes to re-admit.
 
-Recovery (SPEC §9): when the worker dies, every wait raises WorkerRestarted.
+Recovery (contract §9): when the worker dies, every wait raises WorkerRestarted.
 The planner reconnects and re-admits each unfinished request with its prompt
 plus what it has generated so far; decode replays the generated tail
 (`decode_replay`) and draws resume at `rng_counter_base = base + sampled`,
@@ -392,7 +392,7 @@ class Planner:
     def _admit(self, d: _Draft, req: Request) -> Lane:
         """Admit `req` from where it is: prompt + generated so far, the
         generated tail replayed by decode, draws resuming past the tokens
-        already sampled (SPEC §9). A fresh request has nothing to replay.
+        already sampled (contract §9). A fresh request has nothing to replay.
         decode_replay < len(prompt + generated) always holds: the prompt is
         never empty."""
         tag = self.client.new_lane_tag()
@@ -402,7 +402,7 @@ class Planner:
             req.seed = self.seeds.lease(tokens, self.tick_timeout, replay=sampled)
         seed = req.seed
         value = seed.value if seed else 0
-        # The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
+        # The grammar's fresh matcher replays what was generated (contract §9, as the draws resume).
         grammar = self.grammars.handle(req.id, req.grammar, self.tick_timeout) if req.grammar else 0
         slot = self.strategies.slot(self.tick_timeout) if req.speculate else 0
         ref = self.client.write_prompt(tokens)

@@ -1,4 +1,4 @@
-"""The reference planner's use of seed leases (SPEC §6, §7).
+"""The reference planner's use of seed leases (contract §6, §7).
 
 The planner remembers which whole pages it has had the worker publish (a
 lane retired with `publish_to_cache`, and on an exact_only runtime every

@@ -1,4 +1,4 @@
-"""The reference planner's speculation strategy (SPEC §7 INSTALL_STRATEGY, §4 overshoot).
+"""The reference planner's speculation strategy (contract §7 INSTALL_STRATEGY, §4 overshoot).
 
 A strategy lives in a slot of the worker; admits that name the slot may
 draft (the worker decides which lanes do: not HOST, grammar, logit-bias or

@@ -1,5 +1,5 @@
 """The daemon's channel to its worker: one end of a socketpair made at spawn
-(SPEC §10: the daemon's commands travel where no planner can write).
+(contract §10: the daemon's commands travel where no planner can write).
 
 Bytes from the daemon: b"S" = drain and stop. End of file = the daemon is
 gone (PR_SET_PDEATHSIG normally kills the worker first): stop too. A worker

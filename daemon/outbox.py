@@ -4,7 +4,7 @@ tick or as OpEvents), partial emits and queue resets.
 Everything going out waits here when the event queue has no room: a planner
 that stops reading blocks only its own replies. While it waits, the worker's
 `serve_blocked` callback keeps the heartbeat, ops and the daemon's channel
-going (SPEC §10), and `blocked_since` (WorkerCounters.blocked_since_ns,
+going (contract §10), and `blocked_since` (WorkerCounters.blocked_since_ns,
 the metrics) says since when.
 """
 

@@ -1,5 +1,5 @@
 """The daemon: one segment and one worker process per index, restarted when
-it dies (SPEC §1, §9, §10).
+it dies (contract §1, §9, §10).
 
 A single thread runs everything from one `selectors` loop over:
 - a pidfd per worker process (readable when it exits: a process sentinel,
@@ -402,7 +402,7 @@ class Daemon:
         seg.set_epoch(w.epoch)
         seg.set_worker_state(WorkerState.STARTING)
         # Plans and ops the dead worker never read were meant for a state that is gone:
-        # the new worker starts clean and the planner re-admits (SPEC §9).
+        # the new worker starts clean and the planner re-admits (contract §9).
         dropped = seg.plan_queue.discard_unread() + seg.op_queue.discard_unread()
         if dropped:
             log.info("worker %d: dropped %d unread plan/op messages of the old epoch", w.index, dropped)

@@ -5,7 +5,7 @@ One thread: ops are drained before each plan (their completions ride in
 that tick's events); when no plan comes, pending completions go out at once
 as an OpEvents message.
 
-Nothing a planner writes into the segment stops this loop (SPEC §10):
+Nothing a planner writes into the segment stops this loop (contract §10):
 - the daemon's commands come over `Control`, not the header; the header's
   epoch, state and pid are this worker's report, rewritten when wrong;
 - messages are served only for the header's session (`session_id`); an

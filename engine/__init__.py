@@ -1,4 +1,4 @@
-"""The engine: the runtime interface, model runtimes and the plan codec."""
+"""The engine: the runtime interface, the model runtimes (transformer, Mamba2, the fake) and model loading."""
 
 from superfluid.engine.runtime import (
     CapacityError,
@@ -19,7 +19,7 @@ from superfluid.engine.runtime import (
 
 
 def load(path, backend: str = "torch", **options):
-    """Load a checkpoint into a TransformerRuntime (see engine/loader.py)."""
+    """Load a checkpoint into its runtime: a TransformerRuntime or a Mamba2Runtime (engine/loader.py)."""
     from superfluid.engine.loader import load as _load
 
     return _load(path, backend, **options)

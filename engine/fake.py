@@ -1,4 +1,4 @@
-"""A deterministic fake runtime (SPEC §8) for executor tests and the tick benchmark.
+"""A deterministic fake runtime (contract §8) for executor tests and the tick benchmark.
 
 A sequence is the list of tokens it holds, one cell each. The row of a token
 is a pure function of its sequence's history up to and including it: a
@@ -552,7 +552,7 @@ class FakeRuntime(Runtime):
                 tok = self._sampling.sample(row, sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                             sp.rng_position)
             else:
-                tok = np.argmax(row)  # the lowest id on ties, as SPEC §5 wants
+                tok = np.argmax(row)  # the lowest id on ties, as contract §5 wants
             out.append(int(tok))
         self.stats.sampled += len(out)
         return out

@@ -1,4 +1,4 @@
-"""The Mamba2 runtime (SPEC §8): an exact_only runtime over a pool of state slots.
+"""The Mamba2 runtime (contract §8): an exact_only runtime over a pool of state slots.
 
 A sequence holds one slot (engine/mamba2_state.py): its canonical state at
 its last chunk boundary b, the tokens since b, and its live state after its

@@ -1,4 +1,4 @@
-"""The runtime under the executor (SPEC §8): what it can do and how it fails.
+"""The runtime under the executor (contract §8): what it can do and how it fails.
 
 The executor never touches tensors. It drives a runtime through these
 primitives over opaque sequence ids; rows come back as numpy float32 arrays.
@@ -63,7 +63,7 @@ class OutOfBounds(RuntimeFailure):
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeDescription:
-    """SPEC §8: what a runtime can do, stated once."""
+    """contract §8: what a runtime can do, stated once."""
 
     runtime_id: str
     vocab_size: int
@@ -135,7 +135,7 @@ class SampleSpec(NamedTuple):
 
 class TokenMasks(NamedTuple):
     """Grammar masks for some rows of a step_sampled batch, applied to a row
-    before anything else (SPEC §5): a token whose bit is clear gets -inf.
+    before anything else (contract §5): a token whose bit is clear gets -inf.
 
     bits: int32 [n, ceil(vocab_size / 32)]; token t is allowed when bit t % 32
     of word t // 32 is set (llguidance's bitmask layout). rows: the feed index
@@ -194,7 +194,7 @@ class Vocabulary:
 
 
 class Runtime(abc.ABC):
-    """The primitives of SPEC §8. Sequence ids are opaque ints > 0."""
+    """The primitives of contract §8. Sequence ids are opaque ints > 0."""
 
     desc: RuntimeDescription
 

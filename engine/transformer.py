@@ -1,4 +1,4 @@
-"""The paged-KV transformer runtime (SPEC §8) over Model and KVPool.
+"""The paged-KV transformer runtime (contract §8) over Model and KVPool.
 
 Sequences are block tables in the pool. A step is checked whole before
 anything moves (known sequences, each once, tokens in the vocabulary, room

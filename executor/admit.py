@@ -1,4 +1,4 @@
-"""Admission (SPEC §4): seed takeovers, then each admit, fresh or seeded
+"""Admission (contract §4): seed takeovers, then each admit, fresh or seeded
 by the path the memory check chose (seeds.py says what each path does).
 """
 

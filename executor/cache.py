@@ -5,7 +5,7 @@ a blob in host memory, the host tier). Pins (seed leases) protect an entry
 from eviction. Lookup walks a trie of whole pages: a node is one page of
 tokens under its parent, so a hit compares the page and, through the path,
 every page before it; the longest usable prefix costs O(pages asked), not
-O(entries) (SPEC §6).
+O(entries) (contract §6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checking a plan (SPEC §3): every rule, in the SPEC's order, against the
+"""Checking a plan (contract §3): every rule, in the contract's order, against the
 executor's state. A rule that fails raises PlanReject with its status, the
 field and why; nothing here changes state but the sweep of expired leases
 (step 3), which the next accepted tick would make anyway. What the check
@@ -44,7 +44,7 @@ def reject(status: Status, field: str, message: str) -> PlanReject:
 
 
 def check(ex, plan: TickPlan) -> Verdict:
-    """Every check of SPEC §3, in order. Raises PlanReject."""
+    """Every check of contract §3, in order. Raises PlanReject."""
     desc = ex.desc
     if ex.last_plan_seq is not None and plan.plan_seq <= ex.last_plan_seq:
         raise reject(Status.RejectIllegalCombination, "TickPlan.plan_seq",

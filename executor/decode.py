@@ -1,4 +1,4 @@
-"""Decode and the events (SPEC §4): rounds in which every decoding lane
+"""Decode and the events (contract §4): rounds in which every decoding lane
 feeds its pending token and picks the next (on the device where the runtime
 samples, else on the host), decode_replay's rounds, finishes, HOST rows to
 the logits ring, and the TickEvents that report the tick. Drafting lanes'
@@ -175,7 +175,7 @@ class DecodePhase:
 
     def _grammar_masks(self, tags: list[int], remaining: dict[int, int]) -> tuple[np.ndarray, dict[int, int]]:
         """The next-token masks of these grammar lanes, all in one fill call
-        (SPEC §5: the mask comes first): the bitmask, row j for tags[j],
+        (contract §5: the mask comes first): the bitmask, row j for tags[j],
         and each lane's row; a lane whose matcher is in error faults
         GRAMMAR_OVERFLOW (and has no row), the others go on."""
         reg = self.ex.grammars

@@ -1,9 +1,9 @@
 """The executor: lanes, the prefix cache, seed leases and the tick over a runtime.
 
-`Executor.tick(plan)` is SPEC §3–§4: `check` (check.py, memory.py) reads
+`Executor.tick(plan)` is contract §3–§4: `check` (check.py, memory.py) reads
 the whole plan against the state and either rejects it (a status; nothing
 changes) or returns a Verdict; `apply` then runs the plan's phases in order
-(tick.py, decode.py, speculation_decode.py) and returns TickEvents. Ops (SPEC §7)
+(tick.py, decode.py, speculation_decode.py) and returns TickEvents. Ops (contract §7)
 go through `op` (ops.py). The executor never touches tensors: it drives the
 runtime through its primitives and samples on the host with numpy.
 """
@@ -162,7 +162,7 @@ class Executor:
         return len(self.lanes) + len(self.cache)
 
     def sweep_leases(self) -> None:
-        """SPEC §3 step 3 (also run by ops, so a table full of dead leases frees up)."""
+        """contract §3 step 3 (also run by ops, so a table full of dead leases frees up)."""
         self.leases.sweep(self.tick_count)
 
     def to_host(self, e: CacheEntry) -> bool:
@@ -227,7 +227,7 @@ class Executor:
         return TickResult(Status.OK, events)
 
     def check(self, plan: TickPlan) -> Verdict:
-        """Every check of SPEC §3, in order. Raises PlanReject; changes nothing."""
+        """Every check of contract §3, in order. Raises PlanReject; changes nothing."""
         return check(self, plan)
 
     def apply(self, v: Verdict, t0: int) -> TickEvents:

@@ -1,8 +1,8 @@
-"""Grammars (SPEC §3 step 4, §5, §7) over llguidance: compile once, a matcher per lane.
+"""Grammars (contract §3 step 4, §5, §7) over llguidance: compile once, a matcher per lane.
 
 REGISTER_GRAMMAR compiles text of a kind (json_schema, regex, lark, gbnf,
 choice) against the runtime's tokenizer into a Grammar, which the registry
-keeps under a handle. A lane borrows it (one lane at a time, SPEC §3 step 4)
+keeps under a handle. A lane borrows it (one lane at a time, contract §3 step 4)
 as a Matcher: a copy of the grammar's fresh matcher that has replayed the
 prompt's tail, and that answers only "mask", "accept" and "complete". The
 masks of a round's grammar lanes fill in one call on llguidance's thread pool
@@ -194,7 +194,7 @@ class GrammarRegistry:
     """The executor's grammars by handle (Executor.grammars), and which lane
     borrows each.
 
-    A grammar is borrowed by at most one lane at a time (SPEC §3 step 4): an
+    A grammar is borrowed by at most one lane at a time (contract §3 step 4): an
     admit borrows it, the lane's retire or fault gives it back. RELEASE_GRAMMAR
     unregisters a handle at once, borrowed or not: the borrowing lane keeps its
     matcher to its end (as lanes keep a released logit bias), and later admits

@@ -1,4 +1,4 @@
-"""The host path of sampling (SPEC §5): a lane's row treated and drawn on the host, numpy only.
+"""The host path of sampling (contract §5): a lane's row treated and drawn on the host, numpy only.
 
 A lane's row is treated in this order: grammar mask → logit bias → penalties over the
 last PENALTY_WINDOW committed tokens (repeat, presence, frequency; EOS and special
@@ -239,7 +239,7 @@ def pick(row: np.ndarray, sampling_mode: int, params: SamplingParamsLike, positi
          bias: Bias | None = None, history: Sequence[int] | np.ndarray = (), exempt: Exempt = frozenset(),
          grammar: GrammarMask | None = None, mask: np.ndarray | None = None,
          want_logprobs: int = 0) -> tuple[int, TokenLogprob | None]:
-    """Pick a lane's token from its logits row (SPEC §5) and, when want_logprobs = n > 0,
+    """Pick a lane's token from its logits row (contract §5) and, when want_logprobs = n > 0,
     its logprob record (chosen token + n - 1 alternatives, from the row after bias and
     penalties, before temperature). Greedy when sampling_mode is GPU_GREEDY or
     temperature <= 0; otherwise the engine's counter-based draw at `position`.

@@ -1,4 +1,4 @@
-"""The lane ops (SPEC §7): LIST_LANES shows the lanes the executor holds
+"""The lane ops (contract §7): LIST_LANES shows the lanes the executor holds
 (a planner that restarted, or an earlier session's, may not know them), and
 RETIRE_LANES ends them between ticks by the very code a plan's retires run
 (tick.RetirePhase), so an op retire and a plan retire leave the same state.

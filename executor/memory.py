@@ -1,4 +1,4 @@
-"""SPEC §3 step 9: does the plan fit the pool's cells and sequence slots?
+"""contract §3 step 9: does the plan fit the pool's cells and sequence slots?
 
 Cells are counted in whole pages, as the pool hands them out:
 - each prefilled or decoded lane grows from what it holds (a seeded admit:

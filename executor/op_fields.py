@@ -1,4 +1,4 @@
-"""Reading an op's fields (SPEC §7): each wrong field is a BadRequest whose
+"""Reading an op's fields (contract §7): each wrong field is a BadRequest whose
 message names it, and never echoes more than a bounded piece of the input."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ops (SPEC §7): msgpack maps {op, op_id, ...} that change executor state
+"""Ops (contract §7): msgpack maps {op, op_id, ...} that change executor state
 between ticks. An op's failure is its completion's status; it never affects
 a tick. INSTALL_STRATEGY fills a slot of speculation.py's table (Unsupported
 where the runtime cannot verify drafts). Grammars compile in grammar.py; a

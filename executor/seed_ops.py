@@ -1,4 +1,4 @@
-"""The seed ops (SPEC §7): LEASE_SEED, RELEASE_SEED, EXPORT_ENTRY, IMPORT_STATE.
+"""The seed ops (contract §7): LEASE_SEED, RELEASE_SEED, EXPORT_ENTRY, IMPORT_STATE.
 
 Each returns (handle, value, payload) or raises OpError; none changes a
 lane, and a failure leaves the cache and the lease table as they were.

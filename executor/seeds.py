@@ -1,9 +1,9 @@
-"""Seed leases (SPEC §6, §7): a pin on the cache entry holding the longest
+"""Seed leases (contract §6, §7): a pin on the cache entry holding the longest
 usable prefix of some tokens, for a number of accepted ticks; an admit that
 names the lease starts from that prefix instead of prefilling it.
 
 How an admit's prefix gets into its lane's sequence (chosen by the memory
-check, SPEC §3 step 9):
+check, contract §3 step 9):
 - copy: a new sequence copies the entry's cells (full blocks shared where
   the runtime shares cells);
 - takeover: the lane takes the entry's own sequence, cut to the seed, when
@@ -106,7 +106,7 @@ class LeaseTable:
         del self.leases[lease.handle]
 
     def sweep(self, accepted_ticks: int) -> list[SeedLease]:
-        """SPEC §3 step 3: leases whose ticks are up end."""
+        """contract §3 step 3: leases whose ticks are up end."""
         if not self.leases:
             return []
         gone = [ls for ls in self.leases.values() if accepted_ticks >= ls.expires]

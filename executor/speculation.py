@@ -1,4 +1,4 @@
-"""Prompt-lookup speculation (SPEC §4, §7 INSTALL_STRATEGY): the strategies a
+"""Prompt-lookup speculation (contract §4, §7 INSTALL_STRATEGY): the strategies a
 planner installs, which lanes draft, and the n-gram drafter.
 
 A strategy sits in a slot (1..MAX_SLOTS) with a cert_id of its own; installing

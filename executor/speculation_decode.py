@@ -1,4 +1,4 @@
-"""Drafting lanes in decode rounds (SPEC §4): draft, verify, accept, cut back.
+"""Drafting lanes in decode rounds (contract §4): draft, verify, accept, cut back.
 
 A drafting lane's round feeds its pending token and a draft as one feed
 through step_rows (batched with the round's other feeds where the runtime

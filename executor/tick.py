@@ -1,4 +1,4 @@
-"""Running an accepted plan (SPEC §4), phase by phase, in the SPEC's order:
+"""Running an accepted plan (contract §4), phase by phase, in the contract's order:
 evictions the check planned, retires (publish or free), cache settling,
 commits, then (admit.py) seed takeovers and admits, seeded or fresh, then
 prefill; decode and the events are in decode.py, drafting in speculation_decode.py.

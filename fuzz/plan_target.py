@@ -1,7 +1,7 @@
 """Fuzz target for the plan decoder, `superfluid.abi.plan_codec.decode_plan`.
 
 A queue slot is written by another process, so the decoder must answer any
-bytes with a TickPlan or a PlanReject (SPEC §1, §3 step 1) and nothing else.
+bytes with a TickPlan or a PlanReject (contract §1, §3 step 1) and nothing else.
 `one_input` checks that, plus a differential property: a decoded plan,
 re-encoded and decoded again, is the same plan.
 

@@ -1,4 +1,4 @@
-"""The reference sampler (numpy): the one algorithm behind every draw from a logits row (SPEC §5).
+"""The reference sampler (numpy): the one algorithm behind every draw from a logits row (contract §5).
 
 One generator on every path. The host path (executor/host_sampling.py) draws
 with this module; the torch device sampler and the

@@ -1,4 +1,4 @@
-"""The counter-based generator behind every draw (SPEC §5).
+"""The counter-based generator behind every draw (contract §5).
 
 A draw's uniform is a pure function of its position: u = splitmix64(position)
 >> 11, scaled by 2^-53 into [0, 1). There is no key beyond the position; the

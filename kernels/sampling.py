@@ -1,4 +1,4 @@
-"""The on-device sampler: a torch implementation and a Triton kernel (SPEC §5).
+"""The on-device sampler: a torch implementation and a Triton kernel (contract §5).
 
 Both implement the algorithm in kernels/reference_sampler.py's docstring (the reference
 sampler) and give the same token for the same row, params and position:

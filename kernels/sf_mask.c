@@ -1,5 +1,5 @@
 /* Grammar masks on sampler rows (kernels/sampling.py): a banned token's
- * logit becomes -inf before anything else reads the row (SPEC §5).
+ * logit becomes -inf before anything else reads the row (contract §5).
  *
  * One pass, integer ops on the floats' bits, so the result is exact and
  * the time does not depend on which tokens a mask allows (a per-token

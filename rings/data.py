@@ -1,4 +1,4 @@
-"""Data rings: prompt tokens, emitted tokens and logits rows (SPEC §1).
+"""Data rings: prompt tokens, emitted tokens and logits rows (contract §1).
 
 A ring is written in order and wraps; a write never splits, so a reference
 is one contiguous run. `RingRef.generation` counts wraps, and a reference is

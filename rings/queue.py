@@ -1,4 +1,4 @@
-"""SPSC slot queues over shared memory (SPEC §1).
+"""SPSC slot queues over shared memory (contract §1).
 
 Fixed slots addressed by ever-growing u64 head/tail counters: the producer
 reserves the slot at `head`, fills it, publishes (head + 1, release); the

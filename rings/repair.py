@@ -1,4 +1,4 @@
-"""Putting a segment's header back (SPEC §10: what a planner writes there is
+"""Putting a segment's header back (contract §10: what a planner writes there is
 input, not authority). The daemon repairs all of it before every worker
 start; the worker, which knows the geometry from the daemon, puts the
 layout and geometry back now and then so a scribble never locks a new

@@ -1,4 +1,4 @@
-"""A worker's shared-memory segment (SPEC §1).
+"""A worker's shared-memory segment (contract §1).
 
 One file under /dev/shm per worker, mode 0600, owned by the daemon's user:
 a SegmentHeader, four slot queues (plan, event, op, stream) and three data

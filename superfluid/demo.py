@@ -170,7 +170,8 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def run(*, requests: int = 24, model: str | None = None, arch: str = "llama", backend: str = "torch",
         seed: int = 7, budget: int = 256, grant: int = 8, out=sys.stdout) -> int:
     from superfluid.daemon.supervisor import Daemon
-    from superfluid.daemon.worker import model_type, model_vocab
+    from superfluid.daemon.worker import model_vocab
+    from superfluid.engine.checkpoint import model_type
     from superfluid.engine.tiny import default_model_dir
     from superfluid.rings.segment import SegmentConfig
 

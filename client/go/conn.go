@@ -254,7 +254,7 @@ func (c *Conn) WorkerPID() int {
 // Runtime is the runtime description the worker wrote when it became ready.
 func (c *Conn) Runtime() RuntimeDesc { return *(*RuntimeDesc)(unsafe.Pointer(&c.seg.runtime)) }
 
-// SetYield and SetLatencyWanted are the planner's two header words (SPEC §4).
+// SetYield and SetLatencyWanted are the planner's two header words (contract §4).
 func (c *Conn) SetYield(on bool) {
 	C.sf_store_release_u32((*C.uint32_t)(unsafe.Pointer(&c.seg.yield_requested)), b32(on))
 }

@@ -6,7 +6,7 @@ import (
 )
 
 // ErrWorkerGone is what every *WorkerGoneError is (errors.Is): the worker
-// died or was replaced; Reconnect, then re-admit (SPEC §9).
+// died or was replaced; Reconnect, then re-admit (contract §9).
 var ErrWorkerGone = errors.New("superfluid: the worker is gone")
 
 // ErrTaken: another planner holds the worker (sf_session_lock said EWOULDBLOCK).

@@ -6,7 +6,7 @@ import (
 	"time"
 )
 
-// The reference planner's grammars (client/grammars.py; SPEC §3 step 4,
+// The reference planner's grammars (client/grammars.py; contract §3 step 4,
 // §7). A handle is borrowed by one lane at a time, so each constrained
 // request's grammar is registered for that request alone, when it is
 // submitted (a bad grammar fails Submit with the worker's message), and

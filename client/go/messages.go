@@ -33,7 +33,7 @@ func (e *Events) Err() error {
 	return &RejectError{PlanSeq: e.PlanSeq, Status: e.Status, Message: e.Message}
 }
 
-// Completion is an op's answer (SPEC §7); Payload is msgpack ({error} on failure).
+// Completion is an op's answer (contract §7); Payload is msgpack ({error} on failure).
 type Completion struct {
 	OpID    uint64
 	Status  uint32 // SF_OPST_*

@@ -11,7 +11,7 @@ import (
 	"unsafe"
 )
 
-// Op runs op name (SPEC §7: "DESCRIBE", "LEASE_SEED", ...) with fields (a
+// Op runs op name (contract §7: "DESCRIBE", "LEASE_SEED", ...) with fields (a
 // msgpack map's other keys) and waits for its completion, whether it comes
 // between ticks (OpEvents) or inside a tick's events. A failed op is a
 // completion with its status: see Completion.Err.

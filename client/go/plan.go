@@ -95,7 +95,7 @@ func (p *Plan) Encode(planSeq, session uint64) []byte {
 	return message(SF_MSG_PLAN, &rec, arena, session)
 }
 
-// message lays out MsgHeader, record, arena (SPEC §1, the header's wire rules).
+// message lays out MsgHeader, record, arena (contract §1, the header's wire rules).
 func message[R any](kind uint32, rec *R, arena []byte, session uint64) []byte {
 	size := int(unsafe.Sizeof(*rec))
 	h := MsgHeader{Kind: kind, RecordBytes: uint32(size), ArenaBytes: uint64(len(arena)), Session: session}

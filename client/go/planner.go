@@ -13,7 +13,7 @@ import (
 // decoding lanes their tokens); send it; on NeedsReplan shrink the plan and
 // send again; absorb the events. When the worker dies the planner
 // reconnects and re-admits each unfinished request with prompt + generated,
-// decode_replay = generated, rng_counter_base = base + sampled (SPEC §9).
+// decode_replay = generated, rng_counter_base = base + sampled (contract §9).
 // A constrained request's grammar is registered when it is submitted and
 // released when it is done (GrammarBook); a re-admission replays what it
 // generated into a fresh matcher too (grammar_replay = generated). With a

@@ -202,7 +202,7 @@ func (p *Planner) admit(d *draft, r *Request) (*lane, error) {
 	a := LaneAdmit{LaneTag: tag, Sampling: r.Sampling, Params: r.Params, RngCounterBase: r.RngBase + uint64(sampled),
 		DecodeReplay: uint32(sampled), DeterminismClass: seedPathInvariant}
 	if r.Grammar != nil {
-		// The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
+		// The grammar's fresh matcher replays what was generated (contract §9, as the draws resume).
 		h, err := p.Grammars.Handle(r.ID, r.Grammar, p.Opts.TickTimeout)
 		if err != nil {
 			return nil, err

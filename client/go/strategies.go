@@ -2,7 +2,7 @@ package superfluid
 
 import "time"
 
-// The reference planner's speculation strategy (client/strategies.py; SPEC
+// The reference planner's speculation strategy (client/strategies.py; contract
 // §7 INSTALL_STRATEGY, §4 overshoot). A strategy lives in a slot of the
 // worker; admits that name the slot may draft (the worker decides which
 // lanes do: not HOST, grammar, logit-bias or logprob lanes). Drafting never

@@ -18,7 +18,7 @@ warm after the prefix was run once and published, leased. p50 of --repeats.
 The Mamba2 workload (under "mamba2", the same keys; --no-mamba2 skips it):
 the same chat and TTFT requests on a Mamba2 checkpoint of similar cost, on
 the exact_only Mamba2 runtime. There a lease covers a checkpoint's or a
-published entry's exact length (SPEC §6): the executor checkpoints every
+published entry's exact length (contract §6): the executor checkpoints every
 prompt of >= 128 tokens one token short of its end, and a retired lane
 publishes its settled state (prompt and answer). Turn 1 leases the system
 prompt's checkpoint, turn k+1 turn k's published lane; the warm TTFT request

@@ -1,4 +1,4 @@
-"""Conformance checks for any Runtime (SPEC §8), through its public interface only.
+"""Conformance checks for any Runtime (contract §8), through its public interface only.
 
 Each `check_*` takes a RuntimeFactory and either passes, fails, or skips what
 the runtime's description says it cannot do. `CHECKS` lists them; the test
@@ -10,7 +10,7 @@ What a runtime must hold to pass:
 - rows are float32 (vocab,), finite, and a pure function of the sequence's
   history: bitwise the same however the history was fed (chunks, one at a
   time, copied, truncated and re-fed, exported and imported) and whatever
-  else shares the step (SPEC §9);
+  else shares the step (contract §9);
 - every primitive is all or nothing and names a bad sequence UnknownSequence;
 - cells are counted in whole pages; freeing everything returns cells_used and
   seqs to 0, and cells_released predicts exactly what a free releases;
@@ -491,7 +491,7 @@ def check_step_rows(f: RuntimeFactory) -> None:
 
 def check_step_sampled(f: RuntimeFactory) -> None:
     """Greedy specs give the argmax (lowest id on ties) of the row step would
-    give; draws give what the host sampler draws from that row (SPEC §5)."""
+    give; draws give what the host sampler draws from that row (contract §5)."""
     with opened(f) as rt:
         if not rt.desc.engine_sampling:
             pytest.skip(f"{f.name}: no engine sampling")

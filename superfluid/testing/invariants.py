@@ -112,14 +112,14 @@ def check_invariants(ex: Executor) -> None:
             assert e.resident and any(ls.adopt and ls.entry is e for ls in ex.leases)
     for ls in ex.leases:
         assert ex.cache.get(ls.entry.eid) is ls.entry
-        # (an expired lease is swept by the next check: SPEC §3 step 3)
+        # (an expired lease is swept by the next check: contract §3 step 3)
         assert ls.entry.tokens[:len(ls.prefix)] == ls.prefix and ls.expires >= ex.tick_count
     assert ex.cache.host_bytes <= max(ex.host_cache_bytes, 0)
     assert ex.cache.unpinned_bytes == sum(e.bytes for e in ex.cache if e.pins == 0)  # (kept, not summed)
 
 
 def check_events(ex: Executor, plan, r: TickResult) -> None:
-    """What an accepted tick's events must say (SPEC §2, §4)."""
+    """What an accepted tick's events must say (contract §2, §4)."""
     ev = r.events
     assert r.status == Status.OK and ev.status == int(Status.OK)
     assert ev.plan_seq == plan.plan_seq

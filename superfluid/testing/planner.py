@@ -332,7 +332,7 @@ class Planner:
         ex = self.ex
         meta = meta or dict(new={}, grants={}, prefill={}, replay_left={})
         plan = b.build()
-        ex.sweep_leases()  # what the check does first (SPEC §3 step 3): even a reject may sweep
+        ex.sweep_leases()  # what the check does first (contract §3 step 3): even a reject may sweep
         before = snapshot(ex)
         ex.rings.yield_flag = yield_
         self.partials = []

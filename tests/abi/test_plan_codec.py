@@ -1,4 +1,4 @@
-"""decode_plan: step 1 of SPEC §3. Each rule has the smallest plan that
+"""decode_plan: step 1 of contract §3. Each rule has the smallest plan that
 breaks it, the status it must give and the field it must name."""
 
 from __future__ import annotations

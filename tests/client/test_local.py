@@ -1,5 +1,5 @@
 """`LocalClient`: the planner's calls answered in-process, ops and partial
-emits included (SPEC §1: in-process, PARTIAL_EMITS stream as tokens are sampled)."""
+emits included (contract §1: in-process, PARTIAL_EMITS stream as tokens are sampled)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A hostile planner against a live daemon (SPEC §10, issue 11).
+"""A hostile planner against a live daemon (contract §10, issue 11).
 
 Whatever a planner writes into a segment (header fields, queue counters and
 geometry, slots, ring headers and data) must not make the worker exit, make

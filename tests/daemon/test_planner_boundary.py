@@ -1,4 +1,4 @@
-"""SPEC §10 against a live daemon: what a hostile or buggy planner writes
+"""contract §10 against a live daemon: what a hostile or buggy planner writes
 into a segment never stops the worker or the daemon, and no session sees
 another's replies. Each attack here was a way to lock, stall or kill a
 worker before sessions, the daemon's channel and the queue guards."""

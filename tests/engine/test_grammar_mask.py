@@ -1,4 +1,4 @@
-"""Grammar masks on the engine's sampling path (SPEC §5): step_sampled with
+"""Grammar masks on the engine's sampling path (contract §5): step_sampled with
 TokenMasks gives, bitwise, the host sampler's token (executor.host_sampling.pick with
 the same mask) for the same row, params and position, on the torch and Triton
 backends; with a negative control (the mask changes tokens). The masks come

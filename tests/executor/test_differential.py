@@ -1,6 +1,6 @@
 """Differential tests on a tiny real model (the paged transformer, torch
 backend, CPU or GPU): a lane's tokens depend only on its prompt, params and
-rng positions (SPEC §9, SEED_PATH_INVARIANT), not on what shares its
+rng positions (contract §9, SEED_PATH_INVARIANT), not on what shares its
 batches, how its prompt was chunked, or how its decode was split into
 grants across ticks. Every lane of a randomly scheduled batched run equals
 a SOLO run of it, bitwise: greedy lanes, engine-sampled lanes
@@ -232,7 +232,7 @@ def test_the_rng_base_is_the_sampled_lanes_only_key(clean):
 @pytest.mark.parametrize("sampling, n, m", [(SAMPLE, 9, 12), (GREEDY, 5, 10), (SAMPLE, 1, 6),
                                             (SAMPLE, 17, 1)])
 def test_recovery_continues_exactly(clean, sampling, n, m):
-    """SPEC §9: a lane run N tokens, then re-admitted fresh with prompt +
+    """contract §9: a lane run N tokens, then re-admitted fresh with prompt +
     generated, decode_replay = N, rng_counter_base = base + N, continues
     with exactly the tokens the uninterrupted run produced — whatever its
     replay grants."""

@@ -3,7 +3,7 @@ JSON schema parses and validates, and without the grammar most do not;
 regex, lark and choice outputs match; a lane re-admitted after a fault with
 grammar_replay = generated continues as if uninterrupted; a matcher in
 error faults its lane GRAMMAR_OVERFLOW while the others go on; and the
-admit rules of SPEC §3 step 4 reject without changing anything."""
+admit rules of contract §3 step 4 reject without changing anything."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The executor's host sampler (SPEC §5): the order grammar → bias → penalties →
+"""The executor's host sampler (contract §5): the order grammar → bias → penalties →
 logprobs → temperature/filters/draw, the penalty formulas and their window and
 exemptions, bans, the grammar hook, logprob records, bit-equality with the engine's
 host and torch samplers, and that the caller's row is never written."""

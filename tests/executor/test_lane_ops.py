@@ -1,4 +1,4 @@
-"""The lane ops (SPEC §7, issue 11): LIST_LANES pages the lanes by tag with
+"""The lane ops (contract §7, issue 11): LIST_LANES pages the lanes by tag with
 their state and session; RETIRE_LANES retires by tags, all, or all of a
 session, all or nothing, and (the oracle) leaves exactly the state a plan's
 LaneRetire leaves, publishing included. And every completion is bounded:

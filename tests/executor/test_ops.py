@@ -1,4 +1,4 @@
-"""Ops (SPEC §7): msgpack maps {op, op_id, ...}; a failure is the
+"""Ops (contract §7): msgpack maps {op, op_id, ...}; a failure is the
 completion's status and never affects a tick. DESCRIBE, logit biases (and
 that a banned token never appears, whichever path samples the lane),
 INJECT_FAULT, CACHE_CLEAR (and its shed entries in the next tick), unknown

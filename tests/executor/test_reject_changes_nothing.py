@@ -1,4 +1,4 @@
-"""SPEC §3, all or nothing: whatever state random valid plans built (admits
+"""contract §3, all or nothing: whatever state random valid plans built (admits
 with random prompts, chunked prefills, decodes, HOST lanes with commits,
 faults, retires with and without publish, a small pool), a plan that is
 rejected changes nothing — not a lane, cache entry, counter, plan_seq,

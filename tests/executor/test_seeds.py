@@ -1,4 +1,4 @@
-"""Seed leases and seeded admission (SPEC §3 steps 3–4 and 9, §6, §7) on the
+"""Seed leases and seeded admission (contract §3 steps 3–4 and 9, §6, §7) on the
 fake runtime: LEASE_SEED / RELEASE_SEED, every StaleSeed rule naming its
 field, the copy, takeover, import and adoption paths each giving the tokens
 an unseeded run gives, the memory check's exactness with seeds, eviction
@@ -108,7 +108,7 @@ def test_every_stale_seed_rule_names_its_field():
     # Expired: the table forgets the lease, the message still says why.
     h1 = d.lease(PROMPT, ttl=1).handle
     assert d.ex.tick(d.plan().build()).ok
-    d.ex.sweep_leases()  # what the next check does first (SPEC §3 step 3): not the reject's change
+    d.ex.sweep_leases()  # what the next check does first (contract §3 step 3): not the reject's change
     _stale(d, admit(d.plan(), 50, seed=h1).build(), "admits[0].seed_handle", "expired")
     d.seq -= 1
     # An import lease whose sequence another lease now holds is no longer bare.

@@ -1,4 +1,4 @@
-"""Checkpoints that serve (issue 15, SPEC §6) on the Mamba2 runtime, whose
+"""Checkpoints that serve (issue 15, contract §6) on the Mamba2 runtime, whose
 state cannot be cut back: a prompt of >= 128 tokens is checkpointed one
 token short of its end, a LEASE_SEED for the next turn of the conversation
 finds the checkpoint (or, once the lane retired publishing, its settled

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculation on the fake runtime (SPEC §4, §7): op
+"""Prompt-lookup speculation on the fake runtime (contract §4, §7): op
 INSTALL_STRATEGY, who drafts, and the property that matters: a drafting
 lane's tokens are bitwise the tokens it decodes without drafting, greedy and
 sampled, whatever its grants, overshoot, batch and yields. Negative

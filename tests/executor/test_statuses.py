@@ -1,4 +1,4 @@
-"""Every status of SPEC §3 (and the tick statuses of §4), each from the
+"""Every status of contract §3 (and the tick statuses of §4), each from the
 smallest plan that triggers it: the status, the field the message names,
 and (for a reject) that nothing changed — executor state, runtime
 sequences and counters, ring heads, and Executor.state_digest()."""
@@ -457,7 +457,7 @@ def test_sampling_out_of_range_in_a_plan_record(ex):
 
 
 def test_a_runtime_error_freeing_a_retired_lane_does_not_escape(ex):
-    """SPEC §10: a runtime error is a lane fault or Fatal, never an exception
+    """contract §10: a runtime error is a lane fault or Fatal, never an exception
     out of the tick (a non-fatal error from seq_free is taken as nothing
     left to free)."""
     admit_and_prefill(ex, 1, 1, [1, 2, 3])

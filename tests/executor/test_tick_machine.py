@@ -6,7 +6,7 @@ small pool, injected faults (on the runtime and by op), yields, cache
 clears. After every tick (superfluid.testing.planner's Planner.tick, check_events,
 check_invariants): cells are conserved and forward-once holds, the shed
 report reconciles, no lane is lost, every emit is a decoded lane's, the
-tick status is SPEC §4's, and the planner's view of each lane equals the
+tick status is contract §4's, and the planner's view of each lane equals the
 executor's. A retired lane's tokens equal a solo run of it. At teardown
 every cell is free."""
 

@@ -1,4 +1,4 @@
-"""The host sampler and its generator (SPEC §5): the RNG's three
+"""The host sampler and its generator (contract §5): the RNG's three
 implementations agree bit for bit, the filters keep what the algorithm says,
 greedy takes the lowest id on ties, and draws follow the filtered
 distribution (chi-square, with a negative control)."""

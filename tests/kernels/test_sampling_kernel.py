@@ -1,4 +1,4 @@
-"""One generator on every path (SPEC §5): the torch device sampler and the
+"""One generator on every path (contract §5): the torch device sampler and the
 Triton kernel give the host sampler's token for the same row, params and
 position. Without a GPU the kernel runs under Triton's interpreter (slow), so
 its cases are small, with small blocks so the multi-block paths run."""

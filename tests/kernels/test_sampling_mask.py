@@ -1,4 +1,4 @@
-"""The grammar mask on the device samplers (SPEC §5: the mask comes first): the
+"""The grammar mask on the device samplers (contract §5: the mask comes first): the
 torch sampler with a bitmask gives the host's token for the masked row, the
 Triton kernel (under the interpreter without a GPU: small cases) gives the
 torch sampler's, rows without a mask draw as if no mask were given, the

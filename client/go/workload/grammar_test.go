@@ -16,7 +16,7 @@ import (
 	"superfluid/workload"
 )
 
-// Grammar-constrained requests (SPEC §3 step 4, §7) through the Go planner
+// Grammar-constrained requests (contract §3 step 4, §7) through the Go planner
 // on a live daemon of the tiny model: the Python planner's tokens and
 // finishes, outputs that parse, the same tokens through a worker kill -9
 // (each re-admission replays what it generated into a fresh matcher), and a

@@ -12,7 +12,7 @@ import (
 	"superfluid/workload"
 )
 
-// Speculative decoding by prompt lookup (SPEC §7 INSTALL_STRATEGY, §4
+// Speculative decoding by prompt lookup (contract §7 INSTALL_STRATEGY, §4
 // overshoot) through the Go planner on a live daemon of the tiny model: the
 // Python planner's tokens for the same workload with the strategy, which
 // are the tokens without one; drafts really taken (the negative control:

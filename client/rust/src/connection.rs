@@ -247,7 +247,7 @@ impl Connection {
     }
 
     /// After WorkerGone: wait for the next READY worker and talk to it in
-    /// the same session (SPEC §9: its lanes are gone; re-admit them with
+    /// the same session (contract §9: its lanes are gone; re-admit them with
     /// their replay). plan_seq keeps counting; plans still queued may run on
     /// the new worker: their replies are dropped and the lanes they admitted
     /// come back from take_orphans().

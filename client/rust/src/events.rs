@@ -42,7 +42,7 @@ impl std::fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
-/// An op's answer (SPEC §7): `payload` is msgpack (`{error}` on failure).
+/// An op's answer (contract §7): `payload` is msgpack (`{error}` on failure).
 #[derive(Debug, Clone)]
 pub struct Completion {
     pub op_id: u64,

@@ -1,4 +1,4 @@
-//! The reference planner's grammars (SPEC §3 step 4, §7), as
+//! The reference planner's grammars (contract §3 step 4, §7), as
 //! client/grammars.py: a handle is borrowed by one lane at a time, so each
 //! constrained request's grammar is registered for that request alone, when
 //! it is submitted (a bad grammar fails the submit with the worker's

@@ -1,4 +1,4 @@
-//! Ops (SPEC §7): a msgpack map after the MsgHeader, answered by an
+//! Ops (contract §7): a msgpack map after the MsgHeader, answered by an
 //! OpCompletion in a tick's events or in OpEvents. `op` sends any op;
 //! the typed helpers below send the fields each op takes and decode what
 //! it answers.

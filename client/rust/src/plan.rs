@@ -53,7 +53,7 @@ impl Admit {
         self.0.rng_counter_base = base;
         self
     }
-    /// The prompt's last `n` tokens are fed as decode rounds (SPEC §9).
+    /// The prompt's last `n` tokens are fed as decode rounds (contract §9).
     pub fn replay(mut self, n: u32) -> Self {
         self.0.decode_replay = n;
         self
@@ -113,7 +113,7 @@ impl Plan {
         self
     }
 
-    /// Re-admission after a restart (SPEC §9): `prompt` is the original
+    /// Re-admission after a restart (contract §9): `prompt` is the original
     /// prompt and the tokens generated so far, the last `replay` of which are
     /// fed as decode rounds (not emitted again).
     pub fn admit_replay(&mut self, lane_tag: u64, prompt: RingRef, replay: u32) -> &mut Self {

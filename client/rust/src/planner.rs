@@ -380,7 +380,7 @@ impl Planner {
         budget - take
     }
 
-    /// Admit request `id` from where it is (SPEC §9).
+    /// Admit request `id` from where it is (contract §9).
     fn admit(&mut self, d: &mut Draft, id: usize) -> Result<(), Error> {
         let tag = self.conn.new_lane_tag();
         let req = &self.requests[id];
@@ -390,7 +390,7 @@ impl Planner {
             let seed = self.seeds.lease(&mut self.conn, &tokens, sampled, self.opts.tick_timeout)?;
             self.requests[id].seed = seed;
         }
-        // The grammar's fresh matcher replays what was generated (SPEC §9, as the draws resume).
+        // The grammar's fresh matcher replays what was generated (contract §9, as the draws resume).
         let grammar = match &self.requests[id].spec.grammar {
             Some(g) => self.grammars.handle(&mut self.conn, id, g, self.opts.tick_timeout)?,
             None => 0,

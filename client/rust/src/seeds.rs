@@ -1,4 +1,4 @@
-//! The reference planner's use of seed leases (SPEC §6, §7), as
+//! The reference planner's use of seed leases (contract §6, §7), as
 //! client/seeding.py: remember the whole pages this planner had the worker
 //! publish; an admission whose first page is among them asks LEASE_SEED
 //! first, and prefill skips the tokens the lease covers. Leases die with

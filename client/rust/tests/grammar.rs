@@ -1,4 +1,4 @@
-// Grammar-constrained requests (SPEC §3 step 4, §7) through the Rust
+// Grammar-constrained requests (contract §3 step 4, §7) through the Rust
 // reference planner on a live daemon of the tiny model: the Python
 // planner's tokens and finishes for the same workload, outputs that parse,
 // the same tokens through a worker kill -9 (each re-admission replays what

@@ -79,7 +79,7 @@ fn a_header_of_another_abi_version_is_refused_at_connect() {
 }
 
 /// One lane, `grant` tokens a tick, until `n` tokens; kills the worker once
-/// after `kill_after` tokens and recovers as SPEC §9 says.
+/// after `kill_after` tokens and recovers as contract §9 says.
 fn run_lane(c: &mut Connection, prompt: &[u32], n: usize, kill_after: Option<usize>) -> (Vec<u32>, usize) {
     let t = Duration::from_secs(60);
     let mut got: Vec<u32> = Vec::new();
