@@ -28,7 +28,9 @@ $(STAMP): pyproject.toml setup.py $(LOCK) abi/superfluid.h abi/sf_ring.c abi/sf_
 
 setup: $(STAMP)
 
+# The linter first (seconds; its rules are pyproject.toml's [tool.ruff]), then the suite.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

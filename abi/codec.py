@@ -21,8 +21,9 @@ call per non-empty span.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from itertools import chain
-from typing import Any, Callable
+from typing import Any
 
 from superfluid.abi import ABI_VERSION, ARENA_ALIGN, Status, ffi
 from superfluid.abi.records import CLASSES, LAYOUTS, TOP_LEVEL, is_hidden
@@ -38,7 +39,7 @@ _SESSION = struct.Struct("<Q")
 _SESSION_AT = _HDR3.size
 SESSION_OFFSET = _SESSION_AT  # where MsgHeader.session lies in a slot message
 MSG_HEADER_BYTES = _HDR.size
-assert MSG_HEADER_BYTES == ffi.sizeof("MsgHeader")
+assert ffi.sizeof("MsgHeader") == MSG_HEADER_BYTES
 
 
 class CodecError(Exception):
@@ -560,7 +561,7 @@ def copy_message(buf) -> tuple[int, bytes]:
 
 def raw_payload(buf) -> bytes:
     """The payload of a raw message written by write_raw."""
-    kind, record_bytes, arena_bytes = read_header(buf)
+    _kind, record_bytes, arena_bytes = read_header(buf)
     if record_bytes != 0 or arena_bytes > len(buf) - MSG_HEADER_BYTES:
         raise _bounds("MsgHeader", f"not a raw message (record {record_bytes}, payload {arena_bytes} bytes)")
     return bytes(buf[MSG_HEADER_BYTES:MSG_HEADER_BYTES + arena_bytes])

@@ -164,7 +164,7 @@ def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
 _PLAN = codec.CODECS["TickPlan"]
 _PLAN_KIND = codec.TOP_LEVEL["TickPlan"]
 _PLAN_SPANS = tuple(i for i, f in enumerate(codec.LAYOUTS["TickPlan"]) if f.kind == "span")
-assert _PLAN.flat is False and len(_PLAN_SPANS) == 5 and _PLAN_SPANS == tuple(range(8, 13)), _PLAN_SPANS
+assert _PLAN.flat is False and len(_PLAN_SPANS) == 5 and tuple(range(8, 13)) == _PLAN_SPANS, _PLAN_SPANS
 assert TickPlan._fields[1:4] == ("plan_seq", "flags", "max_decode_lanes") and TickPlan._fields[5] == \
     "evictable_cache_classes"
 _PLAN_SPANS_BYTES = len(_PLAN_SPANS) * ffi.sizeof("Span")
@@ -200,7 +200,7 @@ def plan_seq_of(buf) -> int:
     decode (0 when even that cannot be read)."""
     try:
         mv = memoryview(buf).cast("B")
-        kind, record_bytes, _ = codec.read_header(mv)
+        _kind, record_bytes, _ = codec.read_header(mv)
         if record_bytes >= 16 and len(mv) >= codec.MSG_HEADER_BYTES + 16:
             return int.from_bytes(mv[codec.MSG_HEADER_BYTES + 8:codec.MSG_HEADER_BYTES + 16], "little")
     except codec.CodecError:

@@ -9,7 +9,8 @@ message and payload spans) rather than the raw {offset, count}.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from superfluid.abi import ffi, lib
 
@@ -62,7 +63,7 @@ def fields_of(name: str) -> list[tuple[str, Any]]:
 class _Field:
     """How one field converts between the numpy tuple and the record."""
 
-    __slots__ = ("name", "kind", "sub", "length")
+    __slots__ = ("kind", "length", "name", "sub")
 
     def __init__(self, name: str, kind: str, sub: str | type | None = None, length: int = 0):
         self.name = name

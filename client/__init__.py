@@ -2,13 +2,43 @@
 to a worker (Client), and the reference planner (Planner)."""
 
 from superfluid.client.builder import PlanBuilder, read_events, sampling_params
-from superfluid.client.client import (Client, ClientError, ClientTimeout, DaemonGone, WorkerGaveUp, WorkerRestarted,
-                                      WorkerTaken)
-from superfluid.client.planner import (GPU_GREEDY, GPU_SAMPLE, HOST, Planner, PlannerError, PlannerStats,
-                                       Report, RequestResult)
+from superfluid.client.client import (
+                                      Client,
+                                      ClientError,
+                                      ClientTimeout,
+                                      DaemonGone,
+                                      WorkerGaveUp,
+                                      WorkerRestarted,
+                                      WorkerTaken,
+)
+from superfluid.client.planner import (
+                                      GPU_GREEDY,
+                                      GPU_SAMPLE,
+                                      HOST,
+                                      Planner,
+                                      PlannerError,
+                                      PlannerStats,
+                                      Report,
+                                      RequestResult,
+)
 
 __all__ = [
-    "PlanBuilder", "read_events", "sampling_params",
-    "Client", "ClientError", "ClientTimeout", "DaemonGone", "WorkerGaveUp", "WorkerRestarted", "WorkerTaken",
-    "Planner", "PlannerError", "PlannerStats", "Report", "RequestResult", "GPU_GREEDY", "GPU_SAMPLE", "HOST",
+                                      "GPU_GREEDY",
+                                      "GPU_SAMPLE",
+                                      "HOST",
+                                      "Client",
+                                      "ClientError",
+                                      "ClientTimeout",
+                                      "DaemonGone",
+                                      "PlanBuilder",
+                                      "Planner",
+                                      "PlannerError",
+                                      "PlannerStats",
+                                      "Report",
+                                      "RequestResult",
+                                      "WorkerGaveUp",
+                                      "WorkerRestarted",
+                                      "WorkerTaken",
+                                      "read_events",
+                                      "sampling_params",
 ]

@@ -55,7 +55,7 @@ class PlanBuilder:
               params: SamplingParams | None = None, rng_counter_base: int = 0, decode_replay: int = 0,
               strategy_slot: int = 0, grammar_handle: int = 0, grammar_replay: int = 0,
               logit_bias_handle: int = 0, seed_handle: int = 0, determinism_class: int = 0,
-              want_logprobs: int = 0) -> "PlanBuilder":
+              want_logprobs: int = 0) -> PlanBuilder:
         self.admits.append(LaneAdmit(
             lane_tag=lane_tag, prompt=prompt, sampling=int(sampling), decode_replay=decode_replay,
             params=params or SamplingParams(), rng_counter_base=rng_counter_base,
@@ -64,19 +64,19 @@ class PlanBuilder:
             want_logprobs=want_logprobs))
         return self
 
-    def prefill(self, lane_tag: int, token_offset: int, token_count: int) -> "PlanBuilder":
+    def prefill(self, lane_tag: int, token_offset: int, token_count: int) -> PlanBuilder:
         self.prefills.append(LanePrefill(lane_tag, token_offset, token_count))
         return self
 
-    def decode(self, lane_tag: int, max_new_tokens: int = 1, overshoot: int = 0) -> "PlanBuilder":
+    def decode(self, lane_tag: int, max_new_tokens: int = 1, overshoot: int = 0) -> PlanBuilder:
         self.decodes.append(LaneDecode(lane_tag, max_new_tokens, overshoot))
         return self
 
-    def commit(self, lane_tag: int, token_id: int, logits_nonce: int) -> "PlanBuilder":
+    def commit(self, lane_tag: int, token_id: int, logits_nonce: int) -> PlanBuilder:
         self.commits.append(LaneCommit(lane_tag, token_id, logits_nonce))
         return self
 
-    def retire(self, lane_tag: int, publish_to_cache: bool = False) -> "PlanBuilder":
+    def retire(self, lane_tag: int, publish_to_cache: bool = False) -> PlanBuilder:
         self.retires.append(LaneRetire(lane_tag, int(publish_to_cache)))
         return self
 

@@ -33,8 +33,17 @@ import msgpack
 import numpy as np
 
 from superfluid.abi import PLAN_SEQ_MAX, MsgKind, OpStatus, WaitResult, WorkerState, codec, ffi, lib
-from superfluid.abi.records import (LaneCommit, LaneEmit, OpCompletion, OpEvents, PartialEmit, RingRef,
-                                    TickEvents, TickPlan, WorkerNotice)
+from superfluid.abi.records import (
+    LaneCommit,
+    LaneEmit,
+    OpCompletion,
+    OpEvents,
+    PartialEmit,
+    RingRef,
+    TickEvents,
+    TickPlan,
+    WorkerNotice,
+)
 from superfluid.client.builder import PlanBuilder
 from superfluid.rings.errors import PeerGone, SegmentError
 from superfluid.rings.queue import QueueTimeout, SlotQueue
@@ -118,7 +127,7 @@ class _PidWatch:
     kill(0) take tens. Where pidfds are missing (an old kernel), _pid_alive
     every time."""
 
-    __slots__ = ("pid", "_fd", "_poll", "_dead")
+    __slots__ = ("_dead", "_fd", "_poll", "pid")
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -188,7 +197,7 @@ class Client:
 
     @classmethod
     def connect(cls, name: str, index: int = 0, timeout: float = DEFAULT_TIMEOUT, *,
-                lanes: str = "keep") -> "Client":
+                lanes: str = "keep") -> Client:
         """Open worker `index` of daemon `name`, take it, wait until it is
         READY (the segment may not exist yet: a planner may start first) and
         begin a session. `lanes`: what to do with lanes earlier sessions left
@@ -251,7 +260,7 @@ class Client:
             os.close(self._lock)  # another planner may connect now
             self._lock = None
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:

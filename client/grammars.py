@@ -11,14 +11,15 @@ matcher (`grammar_replay = generated`), so it goes on exactly where it was.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 
 from superfluid.abi import OpStatus
 
 # (kind, text) with kind json_schema, regex, lark or gbnf; ("choice", [str, ...]).
-GrammarSpec = tuple[str, Union[str, Sequence[str]]]
+GrammarSpec = tuple[str, str | Sequence[str]]
 
 
 class GrammarRefused(ValueError):

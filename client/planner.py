@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -11,7 +11,7 @@ the metrics) says since when.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 

@@ -15,7 +15,6 @@ import os
 import socket
 import stat
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from superfluid.rings.errors import SegmentError

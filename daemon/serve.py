@@ -159,7 +159,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(p)
     p.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default 1)")
-    p.add_argument("--name", type=_name, default=DEFAULT_NAME, help=f"the daemon's name, in segment names (default {DEFAULT_NAME!r})")
+    p.add_argument("--name", type=_name, default=DEFAULT_NAME,
+                   help=f"the daemon's name, in segment names (default {DEFAULT_NAME!r})")
     p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT (tests)")
     p.add_argument("--restart-backoff", type=_seconds, default=1.0,
                    help="seconds before restarting a dead worker, doubled per recent failure (default 1)")

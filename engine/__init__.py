@@ -12,8 +12,8 @@ from superfluid.engine.runtime import (
     RuntimeFailure,
     SampleSpec,
     TokenMasks,
-    Unsupported,
     UnknownSequence,
+    Unsupported,
     Vocabulary,
 )
 
@@ -26,7 +26,19 @@ def load(path, backend: str = "torch", **options):
 
 
 __all__ = [
-    "CapacityError", "FatalError", "Feed", "LaneFault", "MemCounters", "OutOfBounds", "Runtime",
-    "RuntimeDescription", "RuntimeFailure", "SampleSpec", "TokenMasks", "Unsupported", "UnknownSequence",
-    "Vocabulary", "load",
+    "CapacityError",
+    "FatalError",
+    "Feed",
+    "LaneFault",
+    "MemCounters",
+    "OutOfBounds",
+    "Runtime",
+    "RuntimeDescription",
+    "RuntimeFailure",
+    "SampleSpec",
+    "TokenMasks",
+    "UnknownSequence",
+    "Unsupported",
+    "Vocabulary",
+    "load",
 ]

@@ -28,9 +28,9 @@ from superfluid.engine.checkpoint import NotRegular, read_text
 
 __all__ = [
     "ARCHITECTURES",
+    "ROPE_TYPES",
     "ConfigError",
     "ModelConfig",
-    "ROPE_TYPES",
     "load_config",
     "rope_cos_sin",
     "rope_inv_freq",

@@ -51,8 +51,9 @@ import operator
 import struct
 import time
 import zlib
+from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Iterable, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -210,7 +211,7 @@ class FakeRuntime(Runtime):
         self._bytes_per_cell = bytes_per_cell
         self._eos = eos
         self._eos_set = frozenset(eos)
-        self._eos_cut = int(round(eos_rate * 65536))
+        self._eos_cut = round(eos_rate * 65536)
         self._tables = _tables(seed & _M64, vocab_size, eos)
         self._kmask = self._tables.shape[1] - 1
         self._salt = _mix64((seed & _M64) ^ 0x5F0F)

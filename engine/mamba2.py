@@ -65,7 +65,7 @@ class Mamba2Config:
         return self.intermediate_size + 2 * self.n_groups * self.state_size
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Mamba2Config":
+    def from_dict(cls, d: dict) -> Mamba2Config:
         if d.get("model_type") != "mamba2":
             raise WeightError(f"not a Mamba2 config (model_type={d.get('model_type')!r})")
         if d.get("hidden_act", "silu") != "silu":
@@ -136,13 +136,13 @@ class Mamba2State:
     ssm: list[torch.Tensor]
 
     @classmethod
-    def zeros(cls, cfg: Mamba2Config) -> "Mamba2State":
+    def zeros(cls, cfg: Mamba2Config) -> Mamba2State:
         # Zeros are exactly what HF starts from: its prefill left-pads the conv with zeros
         # and its scan starts from a zero SSM state.
         return cls([torch.zeros(cfg.conv_dim, cfg.conv_kernel) for _ in range(cfg.num_layers)],
                    [torch.zeros(cfg.num_heads, cfg.head_dim, cfg.state_size) for _ in range(cfg.num_layers)])
 
-    def clone(self) -> "Mamba2State":
+    def clone(self) -> Mamba2State:
         return Mamba2State([c.clone() for c in self.conv], [s.clone() for s in self.ssm])
 
 
@@ -204,7 +204,7 @@ class Mamba2Model:
         self.cfg, self.w = cfg, weights
 
     @classmethod
-    def load(cls, path: str | Path) -> "Mamba2Model":
+    def load(cls, path: str | Path) -> Mamba2Model:
         d = Path(path)
         try:
             raw = json.loads(read_text(d / "config.json"))

@@ -171,7 +171,7 @@ class Mamba2Forward:
                               else _linear(last, self.head))
         return out
 
-    def _chunks(self, l, w, xbc, dtr, lay: "_Layout", pool, out: StepOut, y, xs):
+    def _chunks(self, l, w, xbc, dtr, lay: _Layout, pool, out: StepOut, y, xs):
         """Layer l of every chunk job: y and x of its real tokens, its end and boundary states.
         Returns the conv and SSM end state of every grid row (decode jobs may start from one)."""
         cfg, L, n = self.cfg, self.L, lay.n_grid
@@ -213,7 +213,7 @@ class Mamba2Forward:
             torch.index_select(h_end, 0, lay.full_rows, out=out.boundary[1][l])
         return c_end, h_end
 
-    def _decodes(self, l, w, xbc, dtr, lay: "_Layout", pool, out: StepOut, y, xs, ends):
+    def _decodes(self, l, w, xbc, dtr, lay: _Layout, pool, out: StepOut, y, xs, ends):
         """Layer l of every decode job, its state updated in place in out.decoded."""
         cfg, Td = self.cfg, lay.Td
         H, P, G, S, I = cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size, cfg.intermediate_size

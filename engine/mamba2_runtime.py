@@ -19,7 +19,8 @@ Cuts: truncate to 0 or to the length (desc.truncate_partial is False); with
 partial_truncate=True also to any n >= b (the tokens past n are dropped and
 live is rebuilt from b when next needed); copy only whole sequences (or 0).
 seq_settle drops a live state that decode feeds made, so that what follows
-continues as from a fresh prefill (the executor settles what it publishes). Cells are tokens, as on the fake exact_only runtime: a
+continues as from a fresh prefill (the executor settles what it publishes).
+Cells are tokens, as on the fake exact_only runtime: a
 slot can hold a sequence up to max_seq_len, so cells_total is slots x
 max_seq_len and the real limit, one slot a sequence, is desc.max_seqs.
 """
@@ -27,8 +28,9 @@ max_seq_len and the real limit, one slot a sequence, is desc.max_seqs.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -249,7 +251,7 @@ class Mamba2Runtime(Runtime):
             if len(job.tokens) >= self.L:
                 full[j] = len(full)
         canon_slots, canon_rows, live = [], [], ([], [], [])  # live: slots, ("e"|"d", row)
-        for (s, toks, _), (kind, i, advance) in zip(resolved, plan):
+        for (s, _toks, _), (kind, i, advance) in zip(resolved, plan):
             if kind == "c":
                 if i in full:
                     canon_slots.append(s.slot)
@@ -281,7 +283,7 @@ class Mamba2Runtime(Runtime):
             if pick:
                 write(pool.live_conv, pool.live_ssm, [live[0][k] for k in pick],
                       out.decoded if from_decode else out.end, [live[1][k] for k in pick])
-        for (s, toks, _), (kind, i, advance) in zip(resolved, plan):
+        for (s, toks, _), (kind, _i, advance) in zip(resolved, plan):
             if kind == "c":
                 allt = s.since + toks
                 done = len(allt) // self.L * self.L

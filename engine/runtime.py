@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from superfluid.abi import RuntimeFlag
 from superfluid.abi.records import RuntimeDesc
-
 
 # ------------------------------------------------------------------ errors
 
@@ -99,7 +99,7 @@ class RuntimeDescription:
                            self.max_seqs, self.page, self.prefill_step_tokens, flags)
 
     @classmethod
-    def from_record(cls, r: RuntimeDesc) -> "RuntimeDescription":
+    def from_record(cls, r: RuntimeDesc) -> RuntimeDescription:
         rid = r.runtime_id.decode() if isinstance(r.runtime_id, bytes) else r.runtime_id
         return cls(runtime_id=rid, vocab_size=r.vocab_size, max_seq_len=r.max_seq_len, max_batch=r.max_batch,
                    max_seqs=r.max_seqs, page=r.page, prefill_step_tokens=r.prefill_step_tokens,

@@ -20,8 +20,6 @@ from superfluid.engine.checkpoint import model_type, raw_config
 from superfluid.engine.config import ModelConfig, load_config
 from superfluid.engine.weights import WeightError, check_weights, num_params
 
-
-
 # load()'s options that size an allocation (a daemon names them as its flags).
 OPTIONS = frozenset({"kv_cells", "page", "max_batch", "max_seqs", "state_bytes", "max_seq_len"})
 

@@ -14,7 +14,8 @@ import math
 import operator
 import struct
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -321,7 +322,7 @@ class TransformerRuntime(Runtime):
 
 
 class _Mirror:
-    __slots__ = ("seqs", "versions", "lengths", "k", "v")
+    __slots__ = ("k", "lengths", "seqs", "v", "versions")
 
     def __init__(self, seqs, versions, lengths, k, v):
         self.seqs, self.versions, self.lengths, self.k, self.v = seqs, versions, lengths, k, v

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from .checkpoint import NotRegular, read_text, regular_file
 from .config import ModelConfig
 
-__all__ = ["WeightError", "check_weights", "expected_shapes", "load_weights", "num_params", "INDEX_FILE"]
+__all__ = ["INDEX_FILE", "WeightError", "check_weights", "expected_shapes", "load_weights", "num_params"]
 
 INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some exports saved anyway; they are derived from the config.

@@ -11,7 +11,7 @@ O(entries) (contract §6).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 @dataclasses.dataclass(eq=False)
@@ -35,9 +35,9 @@ class CacheEntry:
 
 
 class _Node:
-    __slots__ = ("children", "through", "ends", "parent", "key")
+    __slots__ = ("children", "ends", "key", "parent", "through")
 
-    def __init__(self, parent: "_Node | None", key: tuple[int, ...]):
+    def __init__(self, parent: _Node | None, key: tuple[int, ...]):
         self.children: dict[tuple[int, ...], _Node] = {}
         self.through: set[int] = set()  # entries holding every page down to here
         self.ends: set[int] = set()  # entries whose whole pages end here (their tail is shorter than a page)

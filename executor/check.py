@@ -266,7 +266,6 @@ def _decodes(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int,
         lane = ex.lanes.get(d.lane_tag)
         if lane is not None:
             host, pending_row, end = lane.sampling == Sampling.HOST, lane.pending_row is not None, lane.prefill_end
-            prompt_len = len(lane.prompt)
             after = reached.get(d.lane_tag, lane.prefilled)
             finished, committed = lane.finished, len(lane.committed) + (d.lane_tag in committing)
             pending = lane.pending_input is not None or d.lane_tag in committing
@@ -274,7 +273,6 @@ def _decodes(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int,
             a = admit_of(plan, d.lane_tag)
             use = seeds.get(d.lane_tag)
             host, pending_row = a.sampling == Sampling.HOST, False
-            prompt_len = len(prompts[d.lane_tag])
             end, done = admitted_span(a, prompts[d.lane_tag], use)
             after, finished, committed = reached.get(d.lane_tag, done), False, end
             pending = use is not None and use.full

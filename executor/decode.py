@@ -326,8 +326,9 @@ class DecodePhase:
                 v = self.rt.vocabulary()
                 ex.penalty_exempt = frozenset(v.specials.values()) | frozenset(v.eos)
             exempt = ex.penalty_exempt
+        want = 0 if lane.logprobs_top is None else lane.logprobs_top + 1
         token, lp = hs.pick(row, lane.sampling, lane.params, lane.position, bias=lane.bias, history=lane.committed,
-                            exempt=exempt, mask=mask, want_logprobs=0 if lane.logprobs_top is None else lane.logprobs_top + 1)
+                            exempt=exempt, mask=mask, want_logprobs=want)
         if lp is not None:
             idx = len(self.out_tokens[lane.tag])
             self.logprobs.append(LaneLogprob(lane_tag=lane.tag, token_id=token, logprob=lp.logprob,

@@ -15,7 +15,8 @@ import hashlib
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from superfluid.abi import ShedReason, Status, TickStatus
 from superfluid.abi.plan_codec import PlanReject, check_plan, decode_plan, plan_seq_of
@@ -268,8 +269,9 @@ class Executor:
         would meet more (a rule it breaks, evictions to report, a cache over
         its limit, more sequences than slots): the general path takes it."""
         last, limit = self.last_plan_seq, self.cache_max_bytes
-        if (self.dead or (last is not None and plan_seq <= last) or max_decode_lanes > self.desc.max_batch or self.pending_shed
-                or (limit is not None and self.cache.resident_bytes > limit) or not empty_events_fit(self)):
+        if (self.dead or (last is not None and plan_seq <= last) or max_decode_lanes > self.desc.max_batch
+                or self.pending_shed or (limit is not None and self.cache.resident_bytes > limit)
+                or not empty_events_fit(self)):
             return None
         mem = self.runtime.mem_counters()
         if self.desc.max_seqs and mem.seqs > self.desc.max_seqs:

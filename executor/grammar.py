@@ -95,7 +95,7 @@ class Grammar:
     """A compiled grammar: llguidance's source and a matcher before any token,
     which every lane's matcher is a copy of (no recompiling per lane)."""
 
-    __slots__ = ("kind", "source", "compile_us", "eos", "vocab_size", "_fresh")
+    __slots__ = ("_fresh", "compile_us", "eos", "kind", "source", "vocab_size")
 
     def __init__(self, tokenizer: LLTokenizer, kind: str, text: str | Sequence[str]):
         self.kind = kind
@@ -119,7 +119,7 @@ class Grammar:
 class Matcher:
     """One lane's position in a grammar. `tokens`: what it has consumed."""
 
-    __slots__ = ("grammar", "_m", "tokens")
+    __slots__ = ("_m", "grammar", "tokens")
 
     def __init__(self, grammar: Grammar):
         self.grammar = grammar

@@ -23,12 +23,12 @@ promised here, so speculation never makes a plan NeedsReplan.
 from __future__ import annotations
 
 from superfluid.abi import CacheClass, Status
-
-_RESIDENT_PREFIX = int(CacheClass.RESIDENT_PREFIX_CLASS)
 from superfluid.abi.plan_codec import PlanReject
 from superfluid.abi.records import TickPlan
 from superfluid.executor.cache import CacheEntry
 from superfluid.executor.seeds import SeedUse
+
+_RESIDENT_PREFIX = int(CacheClass.RESIDENT_PREFIX_CLASS)
 
 
 def check_memory(ex, plan: TickPlan, reached: dict[int, int], rounds: dict[int, int],

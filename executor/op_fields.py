@@ -52,7 +52,7 @@ def field(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     if name not in msg:
         raise OpError(OpStatus.BadRequest, f"field {name!r} is missing")
     v = msg[name]
-    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
         raise OpError(OpStatus.BadRequest, f"field {name!r}: expected {_kind_name(kind)}, got {type(v).__name__}")
     return v
 

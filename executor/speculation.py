@@ -21,7 +21,7 @@ acceptance are decode's (speculation_decode.py); the keep/stop gate is speculati
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from superfluid.abi import Sampling
 
@@ -123,7 +123,7 @@ class LaneSpec:
     8 ... rounds (up to MAX_PAUSE) while they keep missing: a verification
     that takes nothing costs a feed's rows for no token."""
 
-    __slots__ = ("strategy", "depth", "misses", "pause", "_index", "_seen")
+    __slots__ = ("_index", "_seen", "depth", "misses", "pause", "strategy")
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy

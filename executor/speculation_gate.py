@@ -43,7 +43,7 @@ def bucket(lanes: int) -> int:
 class GateWindow:
     """One strategy's gate at one batch bucket."""
 
-    __slots__ = ("draft", "plain", "state", "since", "decisions", "probes")
+    __slots__ = ("decisions", "draft", "plain", "probes", "since", "state")
 
     def __init__(self) -> None:
         self.draft: deque[tuple[float, int]] = deque(maxlen=WINDOW)  # (seconds, tokens) of drafting ticks

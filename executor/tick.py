@@ -9,7 +9,7 @@ upkeep (RetirePhase) also run op RETIRE_LANES.
 
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 

@@ -252,12 +252,12 @@ def _get(buf: bytearray, pos: int, width: int) -> int | None:
 
 
 def _put(buf: bytearray, pos: int, width: int, value: int) -> None:
-    if 0 <= pos and pos + width <= len(buf):
+    if pos >= 0 and pos + width <= len(buf):
         buf[pos:pos + width] = (value & ((1 << 8 * width) - 1)).to_bytes(width, "little")
 
 
 def _put_float(buf: bytearray, pos: int, width: int, value: float) -> None:
-    if 0 <= pos and pos + width <= len(buf):
+    if pos >= 0 and pos + width <= len(buf):
         struct.pack_into("<f" if width == 4 else "<d", buf, pos, value)
 
 
@@ -602,7 +602,7 @@ def run_builtin(runs: int, seed: int = 0, corpus_dir: str | None = None, *, pool
     return summary
 
 
-def _loop(runs: int, rng, pool: list, seen: set, summary: "Summary", corpus_dir, artifact_dir, pool_cap: int) -> None:
+def _loop(runs: int, rng, pool: list, seen: set, summary: Summary, corpus_dir, artifact_dir, pool_cap: int) -> None:
     for _ in (itertools.count() if runs == 0 else range(runs)):  # 0: until interrupted
         data = mutate(rng.choice(pool), rng, pool)
         try:

@@ -109,7 +109,7 @@ def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: in
     Feeds are grouped by padded query length so a decode batch is one group
     and each long prefill its own; grouping never changes a result."""
     nf = len(feeds)
-    n, start, first, table, feed_of, positions, cells = token_layout(feeds, page)
+    n, start, first, table, _feed_of, positions, cells = token_layout(feeds, page)
     end = start + n
     n_tokens = int(n.sum())
     # Rows per token are q_per_kv; pad the token count so rows are a multiple of ROW_TILE.
@@ -154,7 +154,8 @@ def heads_major(cache: torch.Tensor) -> torch.Tensor:
     return h if h.is_contiguous() else h.contiguous()
 
 
-def group_keys(grp: AttnGroup, kh: torch.Tensor, vh: torch.Tensor, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_keys(grp: AttnGroup, kh: torch.Tensor, vh: torch.Tensor,
+               layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys [kv_heads, F, L, head_dim] and values by chunk
     [L / KEY_CHUNK, kv_heads, F, KEY_CHUNK, head_dim] (L >= key_len, a
     multiple of KEY_CHUNK): from its DenseKV when it has one, else gathered
@@ -181,7 +182,7 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     layer of a group's DenseKV, if it has one."""
     n, n_heads, d = q.shape
     kh, vh = heads_major(k_cache), heads_major(v_cache)  # [kv, blocks, page, d]
-    n_kv, _, page, _ = kh.shape
+    n_kv, _, _page, _ = kh.shape
     g = n_heads // n_kv
     out = q.new_empty(n + 1, n_heads, d)
     q_pad = torch.cat([q, q.new_zeros(1, n_heads, d)])

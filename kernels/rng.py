@@ -12,7 +12,12 @@ complement, where wrapping add and multiply give the same low 64 bits).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 MASK64 = (1 << 64) - 1
@@ -57,12 +62,12 @@ def position_to_int64(position: int) -> int:
     return _as_int64(position & MASK64)
 
 
-def _srl(z: "torch.Tensor", s: int) -> "torch.Tensor":
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     # torch's >> on int64 is arithmetic; masking off the copied sign bits makes it logical.
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def uniform_torch(positions: "torch.Tensor") -> "torch.Tensor":
+def uniform_torch(positions: torch.Tensor) -> torch.Tensor:
     """uniform() over an int64 tensor of positions (u64 values in two's complement), on its device."""
     import torch  # here, not at the top: the host sampler (and a fake worker) needs no torch
     z = positions.to(torch.int64) + _as_int64(GOLDEN)

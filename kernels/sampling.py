@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

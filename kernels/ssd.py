@@ -21,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["ssd_chunk", "ssm_update", "causal_conv", "silu"]
+__all__ = ["causal_conv", "silu", "ssd_chunk", "ssm_update"]
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ class DataRing:
     """One data ring of a segment. The writer is one process; any process
     may read."""
 
-    __slots__ = ("_seg", "_view", "ring_id", "dtype", "capacity", "_ref_out")
+    __slots__ = ("_ref_out", "_seg", "_view", "capacity", "dtype", "ring_id")
 
     def __init__(self, seg, base_ptr, nbytes: int, geometry: tuple[int, int] | None = None):
         """`geometry`: (ring_id, capacity) known from elsewhere, used and

@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from superfluid.abi import WaitResult, ffi, lib
-from superfluid.abi import codec
+from superfluid.abi import WaitResult, codec, ffi, lib
 from superfluid.rings.errors import PeerGone, SegmentClosed, StopRequested
 
 # How long a waiter spins before it sleeps: a futex wake costs tens of µs on
@@ -70,7 +69,7 @@ class SlotQueue:
     publish/release of that side; reserve/peek hand them out, publish/release
     give them back."""
 
-    __slots__ = ("_seg", "_view", "name", "n_slots", "slot_bytes", "_slots", "spin")
+    __slots__ = ("_seg", "_slots", "_view", "n_slots", "name", "slot_bytes", "spin")
 
     def __init__(self, seg, base_ptr, nbytes: int, name: str, geometry: tuple[int, int] | None = None):
         """`geometry`: (n_slots, slot_bytes) known from elsewhere (the worker,

@@ -14,6 +14,7 @@ the daemon `repair()`s the header before every worker start.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import mmap
 import os
@@ -55,7 +56,7 @@ def segment_path(name: str, index: int) -> str:
     return os.path.join(shm_dir(), f"superfluid.{name}.{index}")
 
 
-def segment_bytes(cfg: "SegmentConfig") -> int:
+def segment_bytes(cfg: SegmentConfig) -> int:
     """The size of a segment file made with `cfg`."""
     cfg.check()
     return _plan_layout(cfg)[1]
@@ -106,7 +107,7 @@ class SegmentConfig:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "SegmentConfig":
+    def from_json(cls, text: str) -> SegmentConfig:
         try:
             raw = json.loads(text)
             cfg = cls(**raw)
@@ -165,7 +166,7 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, index: int = 0, config: SegmentConfig | None = None, *,
-               replace: bool = False) -> "Segment":
+               replace: bool = False) -> Segment:
         """Make a fresh segment file (mode 0600). `replace`: remove a stale
         segment of ours with the same name first (a daemon restarted after a
         crash); a segment of another user is never touched."""
@@ -205,7 +206,7 @@ class Segment:
 
     @classmethod
     def _init(cls, path: str, fd: int, mm: mmap.mmap, name: str, index: int, cfg: SegmentConfig,
-              offsets: dict[str, int], size: int) -> "Segment":
+              offsets: dict[str, int], size: int) -> Segment:
         try:
             cls._fill(mm, name, index, cfg, offsets, size)
         except BaseException:
@@ -241,7 +242,7 @@ class Segment:
         ffi.release(base)
 
     @classmethod
-    def open(cls, name: str, index: int = 0) -> "Segment":
+    def open(cls, name: str, index: int = 0) -> Segment:
         """Map an existing segment after checking its owner, mode, magic,
         ABI version, geometry, and that it is the segment of `name`, `index`."""
         seg = cls.open_path(segment_path(name, index))
@@ -254,7 +255,7 @@ class Segment:
         return seg
 
     @classmethod
-    def open_path(cls, path: str, config: SegmentConfig | None = None) -> "Segment":
+    def open_path(cls, path: str, config: SegmentConfig | None = None) -> Segment:
         """`config`: the geometry the daemon made it with (the worker's way):
         queues and rings are attached with it and the header's copy of it is
         rewritten; None trusts the header's (after checking it)."""
@@ -359,7 +360,7 @@ class Segment:
             off = self._offsets[f"{r}_ring"]
             spans.append((off, off + lib.sf_ring_bytes(ring.capacity), f"{r}_ring"))
         spans.sort()
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if end > start:
                 raise SegmentError(f"{self.path}: layout.{a} overlaps layout.{b}")
         ends = [_up(HEADER_BYTES)] + [_up(end) for _, end, _ in spans]
@@ -407,7 +408,7 @@ class Segment:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -135,7 +135,8 @@ def _flag(args: list[str], name: str, default: str) -> str:
 
 def _layout_args(model: str, worker_args: list[str]) -> argparse.Namespace:
     """What thread_layout reads of a worker's arguments."""
-    return argparse.Namespace(fake="--fake" in worker_args, model=model, backend=_flag(worker_args, "--backend", "torch"),
+    return argparse.Namespace(fake="--fake" in worker_args, model=model,
+                              backend=_flag(worker_args, "--backend", "torch"),
                               threads=int(_flag(worker_args, "--threads", "0")))
 
 
@@ -293,9 +294,11 @@ def _main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        hf = f"HF generate {res['hf_tok_s']} tok/s ({res['workload']['hf_requests']} requests); " if res["hf_tok_s"] else ""
+        hf = (f"HF generate {res['hf_tok_s']} tok/s ({res['workload']['hf_requests']} requests); "
+              if res["hf_tok_s"] else "")
         print(f"daemon {res['tok_s']} tok/s, in-process {res['inproc_tok_s']} tok/s (ratio of medians "
-              f"{res['daemon_to_inproc']}, all runs {res['daemon_to_inproc_total']}, paired {res['runs_daemon_to_inproc']}), {hf}"
+              f"{res['daemon_to_inproc']}, all runs {res['daemon_to_inproc_total']}, "
+              f"paired {res['runs_daemon_to_inproc']}), {hf}"
               f"TTFT p50 {res['ttft_ms']['p50']} ms, p99 {res['ttft_ms']['p99']} ms; "
               f"{res['workload']['tokens']} tokens a run, runs {res['runs_wall_s']} s; "
               f"load {res['loadavg_before']} -> {res['loadavg_after']}")
@@ -309,7 +312,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests a run (default 512; --quick: 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per path (default 5; --quick: 1)")
     p.add_argument("--min-seconds", type=float, default=None,
-                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed (default 40; --quick: 0)")
+                   help="more runs (in pairs, up to 4x --repeats) until each path has this long timed "
+                        "(default 40; --quick: 0)")
     p.add_argument("--hf-requests", type=int, default=32,
                    help="the first N requests also go through HF generate (default 32, 0 = skip HF)")
     p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")

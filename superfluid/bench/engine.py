@@ -43,8 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from superfluid.bench import peers as peer_runs
-from superfluid.bench import system
+from superfluid.bench import peers as peer_runs, system
 
 BATCHES = (1, 8, 32, 64)
 CUDA_BATCHES = (1, 8, 32, 64, 128)

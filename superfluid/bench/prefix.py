@@ -283,7 +283,7 @@ def _main(args: argparse.Namespace) -> int:
             ("tokens equal", lambda r: r["tokens_equal"] and r["ttft_tokens_equal"])]
     print(f"{'':<30} " + " ".join(f"{name:<26}" for name, _ in cols))
     for label, cell in rows:
-        print(f"{label:<30} " + " ".join(f"{str(cell(r)):<26}" for _, r in cols))
+        print(f"{label:<30} " + " ".join(f"{cell(r)!s:<26}" for _, r in cols))
     return 0 if _equal(res) else 1
 
 

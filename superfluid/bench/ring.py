@@ -47,7 +47,7 @@ _LEN = struct.Struct("<I")
 # plan_seq sits at the same place in both messages, so control messages and
 # raw mode can read and patch it without the codec.
 _SEQ_AT = codec.MSG_HEADER_BYTES + ffi.offsetof("TickPlan", "plan_seq")
-assert _SEQ_AT == codec.MSG_HEADER_BYTES + ffi.offsetof("TickEvents", "plan_seq")
+assert codec.MSG_HEADER_BYTES + ffi.offsetof("TickEvents", "plan_seq") == _SEQ_AT
 
 # Control messages: empty plans with a plan_seq at the top of the u64 range.
 _CMD_EXIT = 2**64 - 1

@@ -213,7 +213,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("speculation", aliases=["spec"], help="prompt-lookup speculation: drafts that hit and miss, with and without",
+    p = sub.add_parser("speculation", aliases=["spec"],
+                       help="prompt-lookup speculation: drafts that hit and miss, with and without",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32)")

@@ -86,7 +86,7 @@ class LoadMeter:
                 "other_processes_cpu_share": share, "wall_s": round(wall, 1)}
 
 
-def finish(res: dict[str, Any], meter: "LoadMeter", t_start: float) -> dict[str, Any]:
+def finish(res: dict[str, Any], meter: LoadMeter, t_start: float) -> dict[str, Any]:
     """A bench result's conditions: the load while it ran, threads, Python,
     cores and wall seconds since t_start (time.perf_counter())."""
     import platform

@@ -26,7 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import importlib
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -174,9 +174,8 @@ def unchanged(rt: Runtime, seqs: Sequence[int]) -> Iterator[None]:
 def refused(rt: Runtime, seqs: Sequence[int], call: Callable[[], object],
             error: type[RuntimeFailure] = RuntimeFailure) -> RuntimeFailure:
     """`call` raises `error` (never FatalError) and changes nothing."""
-    with unchanged(rt, seqs):
-        with pytest.raises(error) as e:
-            call()
+    with unchanged(rt, seqs), pytest.raises(error) as e:
+        call()
     assert not isinstance(e.value, FatalError), f"a caller's mistake was fatal: {e.value!r}"
     return e.value
 

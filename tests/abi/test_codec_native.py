@@ -171,7 +171,7 @@ def test_every_record_the_fast_path_knows_has_its_compiled_layout():
     # The schema handed to C, read back against cffi: offsets and sizes are the compiler's.
     rows, index = codec._schema()
     for name, i in index.items():
-        cls, size, has_ss, fields = rows[i]
+        cls, size, _has_ss, fields = rows[i]
         assert cls is CLASSES[name] and size == ffi.sizeof(name)
         assert [f[1] for f in fields] == [ffi.offsetof(name, f.name) for f in LAYOUTS[name]]
 

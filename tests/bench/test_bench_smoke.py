@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from superfluid.bench import e2e, engine, gpu_check, peers, tick
+from superfluid.bench import engine, gpu_check, peers, tick
 from superfluid.cli import main
 
 
@@ -198,7 +198,8 @@ def test_bench_e2e_keys(shm_dir, capsys):
     secs = {k: sum(1 / x for x in v) for k, v in res["runs_tok_s"].items()}
     assert res["daemon_to_inproc_total"] == pytest.approx(secs["inproc"] / secs["daemon"], rel=0.005)
     lo, hi = res["paired_ci90"]
-    assert min(res["runs_daemon_to_inproc"]) <= lo <= res["daemon_to_inproc_paired"] <= hi <= max(res["runs_daemon_to_inproc"])
+    runs = res["runs_daemon_to_inproc"]
+    assert min(runs) <= lo <= res["daemon_to_inproc_paired"] <= hi <= max(runs)
     # every run's ticks took time, and both paths spent some outside them (the planner's turn)
     assert res["outside_us_per_tick"]["daemon"] > 0 and res["outside_us_per_tick"]["inproc"] > 0
     split = res["outside_us_per_tick"]["daemon"] - res["outside_us_per_tick"]["inproc"]

@@ -16,7 +16,6 @@ from superfluid.abi import OpStatus
 from superfluid.client import GPU_GREEDY, GPU_SAMPLE, HOST, Planner, sampling_params
 from superfluid.engine import Feed
 from superfluid.engine.fake import FakeRuntime
-
 from superfluid.testing.daemon import FAKE_WORKER
 
 EOS = 511  # the fake runtime's: vocab_size - 1

@@ -72,7 +72,8 @@ def test_perturb_draws_by_position_and_argmax_does_not():
     ({"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"text": "a"}}]}, "requests[0].grammar"),
     ({"requests": [{"prompt": [1], "max_new_tokens": 3, "grammar": {"kind": "choice"}}]},
      "requests[0].grammar.choices"),
-    ({"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "host", "grammar": {"kind": "regex", "text": "a"}}]},
+    ({"requests": [{"prompt": [1], "max_new_tokens": 3, "sampling": "host",
+                    "grammar": {"kind": "regex", "text": "a"}}]},
      "requests[0].grammar"),
 ])
 def test_a_bad_workload_names_its_field(bad, field):
@@ -191,5 +192,5 @@ def test_speculation_through_a_daemon_changes_no_token_and_survives_a_worker_kil
 
 
 def test_a_bad_strategy_names_its_field():
-    with pytest.raises(ValueError, match="options.strategy"):
+    with pytest.raises(ValueError, match=r"options\.strategy"):
         wl.load({"options": {"strategy": {"depth": 3}}, "requests": []})

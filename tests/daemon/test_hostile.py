@@ -129,7 +129,7 @@ class Raw:
         self.mm.close()
         os.close(self.fd)
 
-    def __enter__(self) -> "Raw":
+    def __enter__(self) -> Raw:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -410,7 +410,7 @@ def test_prompt_ring_data_rewritten_under_a_queued_plan(daemon):
         t.start()
         try:
             statuses = []
-            for i in range(30):
+            for _i in range(30):
                 tag = c.new_lane_tag()
                 ev = c.tick(PlanBuilder(0, prefill_token_budget=512).admit(tag, ref).prefill(tag, 0, 199)
                             .decode(tag, 2))
@@ -589,7 +589,8 @@ while True:  # plans, each published half-written, and never a read of the event
     slot = q.try_reserve()
     if slot is None:
         continue
-    codec.encode_into(slot, "TickPlan", PlanBuilder(c.next_plan_seq() + n).admit(n + 1, c.write_prompt([1, 2, 3])).build(),
+    plan = PlanBuilder(c.next_plan_seq() + n).admit(n + 1, c.write_prompt([1, 2, 3])).build()
+    codec.encode_into(slot, "TickPlan", plan,
                       session=c.session)
     slot[40:200] = bytes(160)
     q.publish()
@@ -678,7 +679,8 @@ def test_two_planners_at_once_out_of_contract(daemon):
             for _ in range(20):
                 try:
                     ev = b.tick(PlanBuilder(0), timeout=1.0)
-                    key = "own" if ev.status == Status.OK and not ev.admit_results else f"other:{Status(ev.status).name}"
+                    own = ev.status == Status.OK and not ev.admit_results
+                    key = "own" if own else f"other:{Status(ev.status).name}"
                 except Exception as e:  # noqa: BLE001
                     key = type(e).__name__
                 seen[key] = seen.get(key, 0) + 1

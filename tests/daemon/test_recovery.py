@@ -101,9 +101,8 @@ class _Killer:
             self.ticks += 1
             if not self.done and self.ticks >= self.at_tick:
                 # The plan is published: the worker is running it while we kill.
-                if self.phase == "mid-prefill" and plan.prefills:
-                    self.kill()
-                elif self.phase == "mid-decode" and plan.decodes and not plan.prefills:
+                if (self.phase == "mid-prefill" and plan.prefills) or (
+                        self.phase == "mid-decode" and plan.decodes and not plan.prefills):
                     self.kill()
             return seq
 

@@ -159,7 +159,7 @@ def test_an_unread_stream_stalls_a_tick_once_not_per_token(worker):
 
 
 def test_stop_request(worker):
-    seg, epoch, proc = worker()
+    seg, _epoch, proc = worker()
     seg.control.send(STOP)
     proc.join(10)
     assert proc.exitcode == 0 and seg.worker_state == WorkerState.STOPPED
@@ -167,7 +167,7 @@ def test_stop_request(worker):
 
 def test_the_segments_stop_flag_is_a_report_not_a_command(worker):
     # A planner can write stop_requested: the worker must not leave for it.
-    seg, epoch, proc = worker()
+    seg, _epoch, proc = worker()
     seg.request_stop()
     proc.join(0.3)
     assert proc.is_alive() and seg.worker_state == WorkerState.READY
@@ -177,7 +177,7 @@ def test_the_segments_stop_flag_is_a_report_not_a_command(worker):
 
 
 def test_a_fatal_runtime_error_exits_70(worker):
-    seg, epoch, proc = worker(fatal_after=0)
+    seg, _epoch, proc = worker(fatal_after=0)
     prompt = seg.prompt_ring.write([1, 2])
     PlanBuilder(1, prefill_token_budget=8).admit(4, prompt).prefill(4, 0, 2).decode(4, 1).encode_into(
         seg.plan_queue.reserve(5))

@@ -9,14 +9,12 @@ batches, other tokens give other rows."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from superfluid.engine import CapacityError, Feed, OutOfBounds, load
-from superfluid.engine import mamba2_forward
+from superfluid.engine import CapacityError, Feed, OutOfBounds, load, mamba2_forward
 from superfluid.engine.tiny_mamba2 import write_tiny_mamba2
 from superfluid.kernels.ssd import ssd_chunk
 
@@ -105,7 +103,7 @@ def test_rows_do_not_depend_on_the_batch_nor_the_feeds(rt, lanes, order):
         for p, row in zip(perm, rows):
             i, kind, n = who[p]
             got[i].append((kind, n, row))
-    for i, (prompt, pieces, steps) in enumerate(lanes):
+    for i, (prompt, _pieces, steps) in enumerate(lanes):
         for kind, n, row in got[i]:
             # A prefix's row is its own fresh prefill's; a decode row is the solo lane's.
             want = solo(rt, tuple(prompt[:n]))[0] if kind == "p" else solo(rt, tuple(prompt), tuple(steps))[n]
@@ -153,7 +151,8 @@ def test_a_settled_sequence_decodes_as_a_fresh_prefill_of_all(rt, prompt, steps,
         got = rt.step([decode(s, t), decode(imp, t)])
         assert np.array_equal(got[0], want) and np.array_equal(got[1], want)
     # Control: without settling, the decoded tail's arithmetic shows.
-    assert not np.array_equal(rt.step([decode(unsettled, after[0])])[0], solo(rt, tuple(prompt + steps), (after[0],))[1])
+    want = solo(rt, tuple(prompt + steps), (after[0],))[1]
+    assert not np.array_equal(rt.step([decode(unsettled, after[0])])[0], want)
     for q in (s, unsettled, imp, fresh):
         rt.seq_free(q)
 

@@ -125,8 +125,9 @@ def test_wrong_shape_is_named(ckpt, tmp_path):
 
 
 def test_unexpected_tensor_and_bad_config(ckpt, tmp_path):
-    d = rewrite_checkpoint(ckpt, tmp_path / "u", lambda t: t.__setitem__("backbone.layers.7.norm.weight", torch.ones(64)))
-    with pytest.raises(WeightError, match="unexpected tensor.*layers.7.norm.weight"):
+    extra = "backbone.layers.7.norm.weight"
+    d = rewrite_checkpoint(ckpt, tmp_path / "u", lambda t: t.__setitem__(extra, torch.ones(64)))
+    with pytest.raises(WeightError, match=r"unexpected tensor.*layers\.7\.norm\.weight"):
         Mamba2Model.load(d)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["num_heads"] = 7  # 7 * 16 != 2 * 64

@@ -67,7 +67,7 @@ def _close(row: np.ndarray, ref: torch.Tensor) -> float:
 
 
 def test_load_describes_an_exact_only_runtime(pair):
-    d, rt, _ = pair
+    _d, rt, _ = pair
     assert isinstance(rt, Mamba2Runtime)
     desc = rt.desc
     assert desc.exact_only and not desc.truncate_partial and not desc.copy_shares_cells
@@ -174,7 +174,7 @@ def test_truncate_keeps_what_the_state_can_reach(pair):
     s, fresh = rt.seq_create(), rt.seq_create()
     rt.step([Feed(s, prompt)])
     for n in (1, 31, 41, -1):
-        with pytest.raises(OutOfBounds, match="boundary|truncate to"):
+        with pytest.raises(OutOfBounds, match=r"boundary|truncate to"):
             rt.seq_truncate(s, n)
     assert rt.seq_len(s) == 40
     rt.seq_truncate(s, 35)

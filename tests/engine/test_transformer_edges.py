@@ -4,7 +4,6 @@ nothing, and copy-on-write is charged only where a copy happens."""
 
 from __future__ import annotations
 
-import struct
 import zlib
 
 import numpy as np

@@ -126,7 +126,7 @@ def _states():
         return ex, seq
 
     def pending_shed():
-        ex, seq = make_executor(), 1
+        ex = make_executor()
         admit_and_prefill(ex, 1, 5, list(range(1, 13)), decode=1)
         assert ex.tick(PlanBuilder(2).retire(5, publish_to_cache=True).build()).ok
         assert ex.op({"op": "CACHE_CLEAR", "op_id": 3}).status == 0 and ex.pending_shed

@@ -34,7 +34,7 @@ def test_fill_in_this_thread_equals_the_pools(tmp_path):
                          "required": ["a", "b"]})
     here, pool = GrammarRegistry(tok, V, eos, threads=1), GrammarRegistry(tok, V, eos, threads=2)
     assert here.threads == 1 and pool.threads == 2
-    text = '{"a":12,"b":"xy"}'.encode()
+    text = b'{"a":12,"b":"xy"}'
     ms_here = [here.compile("json_schema", schema).matcher(text[:k]) for k in range(0, 12, 3)]
     ms_pool = [pool.compile("json_schema", schema).matcher(text[:k]) for k in range(0, 12, 3)]
     a, b = here.bitmask(len(ms_here), fill=False), pool.bitmask(len(ms_pool), fill=False)

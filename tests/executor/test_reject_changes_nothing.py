@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from superfluid.abi import PlanFlag, Status, codec

@@ -74,7 +74,7 @@ def test_a_lease_lasts_ttl_accepted_ticks_and_pins_while_it_does():
     h = d.lease(PROMPT, ttl=2).handle
     assert d.ex.tick(d.plan().build()).ok  # 1 accepted tick
     assert d.ex.cache.unpinned_bytes == 0
-    tag, r = d.admit(PROMPT, seed=h, value=20)  # the 2nd: still good
+    _tag, r = d.admit(PROMPT, seed=h, value=20)  # the 2nd: still good
     assert r.ok, r.message
     h2 = d.lease(PROMPT, ttl=1).handle
     assert d.ex.tick(d.plan().build()).ok
@@ -180,7 +180,7 @@ def test_first_prefill_of_a_seeded_lane_starts_at_value():
 def test_granted_class_is_what_was_asked():
     d = exe()
     for det in Determinism:
-        tag, r = d.admit(PROMPT, det=int(det), n=1)
+        _tag, r = d.admit(PROMPT, det=int(det), n=1)
         assert r.ok and r.events.admit_results[0].granted_class == int(det)
 
 
@@ -224,9 +224,9 @@ def test_eviction_skips_an_entry_too_big_for_the_cap():
 def test_a_checkpoint_gives_its_slot_back():
     d = exe(exact_only=True, max_seqs=2, max_seq_len=256)
     long_prompt = [i % 60 + 1 for i in range(130)]
-    tag, r = d.admit(long_prompt, n=0)  # prefill only: the prompt's checkpoint is taken
+    _tag, r = d.admit(long_prompt, n=0)  # prefill only: the prompt's checkpoint is taken
     assert r.ok and any(e.checkpoint for e in d.ex.cache)
-    tag2, r2 = d.admit([5, 6, 7], n=2)  # the second slot is the checkpoint's: it gives it back
+    _tag2, r2 = d.admit([5, 6, 7], n=2)  # the second slot is the checkpoint's: it gives it back
     assert r2.ok, r2.message
     assert not any(e.checkpoint for e in d.ex.cache)
 

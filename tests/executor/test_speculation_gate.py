@@ -99,7 +99,7 @@ def run(step_ns: int, token_ns: int, *, hits: bool, ticks: int = 40):
 
 def test_on_the_executor_the_gate_follows_what_a_step_and_a_token_cost():
     # Steps dominate and the drafts hit: drafting saves steps, the gate keeps it.
-    d, snap = run(step_ns=1_000_000, token_ns=1_000, hits=True)
+    _d, snap = run(step_ns=1_000_000, token_ns=1_000, hits=True)
     (b,) = snap["buckets"]
     assert b["lanes"] == 2 and b["state"] == "on" and b["draft_s_per_token"] < b["plain_s_per_token"]
     assert snap["accepted"] > 0

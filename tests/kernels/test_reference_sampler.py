@@ -171,7 +171,7 @@ def test_large_rows_and_huge_positions():
     row = (3 * rng.standard_normal(128_256)).astype(np.float32)
     row[rng.random(row.size) < 0.5] = -INF
     for params in [(1.0, 0, 0.0, 0.0), (0.7, 40, 0.9, 0.05), (1.0, 0, 0.99, 0.0), (1.0, 0, 0.0, 0.2)]:
-        ids, probs = filtered_distribution(row, *params)
+        ids, _probs = filtered_distribution(row, *params)
         for pos in (0, 2**63, 2**64 - 1):
             tok = sample(row, *params, pos)
             assert tok in set(ids.tolist())

@@ -181,7 +181,7 @@ def test_ssd_chunk_negative_controls():
         _ssd_loop(x, dt, A, B.flip(2), C.flip(2), h0),  # head h on group 1 - h // 2
         _ssd_loop(x, dt, A, B, C, torch.zeros_like(h0)),
     ]
-    for want_y, want_h in wrong:
+    for want_y, _want_h in wrong:
         assert not torch.allclose(y, want_y, **TOL)
     assert not torch.allclose(h_end, wrong[0][1], **TOL)
 

@@ -120,9 +120,9 @@ def test_generation_wraps_at_32_bits(segment):
 def test_readable_exactly_while_not_overwritten(sizes, data):
     """Model: absolute positions; a reference is good iff it was written and
     none of its elements has been written over since."""
-    from superfluid.rings.segment import Segment, SegmentConfig
-
     import os
+
+    from superfluid.rings.segment import Segment, SegmentConfig
     name = f"h{os.getpid()}-{data.draw(st.integers(0, 1 << 30))}"
     seg = Segment.create(name, 0, SegmentConfig(prompt_tokens=64, plan_slot_bytes=1024, event_slot_bytes=1024,
                                                 op_slot_bytes=1024, stream_slots=2, emit_tokens=16,
@@ -202,7 +202,7 @@ def test_reads_racing_a_writer_are_whole_or_refused(seg_name):
 def test_a_writer_that_died_mid_write_leaves_its_cells_refused(segment):
     # A writer killed between begin and commit: its reservation stands, so the
     # cells it half-wrote stay refused after the next writer's write.
-    from superfluid.abi import ffi, lib
+    from superfluid.abi import lib
 
     ring = segment.token_ring
     cap = ring.capacity
