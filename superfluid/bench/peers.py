@@ -150,7 +150,7 @@ def write_gguf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_layers)
     for file in sorted(ckpt.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
-            for key in f:
+            for key in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
                 t = f.get_tensor(key).float().numpy()
                 if key.endswith("q_proj.weight"):
                     t = permute_for_rope(t, cfg.num_heads, cfg.num_heads)
