@@ -46,6 +46,7 @@ from superfluid.abi.records import (
 )
 from superfluid.client.builder import PlanBuilder
 from superfluid.rings.errors import PeerGone, SegmentError
+from superfluid.rings.liveness import pid_alive
 from superfluid.rings.queue import QueueTimeout, SlotQueue
 from superfluid.rings.segment import Segment, state_name
 
@@ -101,25 +102,6 @@ class DaemonGone(ClientError):
     """The daemon stopped its workers, or is dead: no worker will come back."""
 
 
-def _pid_alive(pid: int) -> bool:
-    """A running process (a zombie is not: it is dead, waiting to be reaped)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                return False
-    except (OSError, IndexError):
-        pass  # no /proc: kill(0) alone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, another user's: not ours to judge
-    return True
-
-
 class _PidWatch:
     """Whether one pid is still running, for a look every plan: a pidfd
     (readable once the process has exited, a zombie included; immune to pid
@@ -150,7 +132,7 @@ class _PidWatch:
         if self._dead:
             return False
         if self._poll is None:
-            return _pid_alive(self.pid)
+            return pid_alive(self.pid)
         if self._poll.poll(0):
             self._dead = True  # exited: it stays so
             self.close()

@@ -20,6 +20,7 @@ from typing import Any
 
 from superfluid.abi import Fault, WorkerState, lib
 from superfluid.rings.errors import SegmentError
+from superfluid.rings.liveness import pid_alive
 from superfluid.rings.segment import NAME_RE, Segment, shm_dir, state_name
 
 DEFAULT_NAME = "superfluid"
@@ -36,18 +37,6 @@ def segment_paths(name: str) -> list[tuple[int, str]]:
         if suffix.isdigit():
             found.append((int(suffix), path))
     return sorted(found)
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: it exists
-    return True
 
 
 def worker_snapshot(seg: Segment) -> dict[str, Any]:

@@ -49,10 +49,11 @@ from superfluid.abi import WorkerState, codec, ffi
 from superfluid.abi.records import WorkerNotice
 from superfluid.daemon.control import STOP
 from superfluid.rings.errors import SegmentError
+from superfluid.rings.liveness import pid_alive
 from superfluid.rings.segment import Segment, SegmentConfig, segment_path
 
 from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
-from .status import pid_alive, segment_paths, worker_snapshot
+from .status import segment_paths, worker_snapshot
 from .worker import EXIT_UNSERVABLE
 
 log = logging.getLogger("superfluid.daemon")

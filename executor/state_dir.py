@@ -21,6 +21,7 @@ import stat
 
 from superfluid.abi import OpStatus
 from superfluid.executor.op_fields import OpError, echo
+from superfluid.rings.liveness import pid_alive
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -38,16 +39,6 @@ def _kind(mode: int) -> str | None:
     if stat.S_ISREG(mode):
         return None
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class StateDir:
@@ -71,7 +62,7 @@ class StateDir:
             return
         for name in names:
             pid = name[len(_TMP):].split(".", 1)[0]
-            if name.startswith(_TMP) and pid.isdigit() and not _pid_alive(int(pid)):
+            if name.startswith(_TMP) and pid.isdigit() and not pid_alive(int(pid)):
                 try:
                     os.unlink(os.path.join(self.root, name))
                 except OSError:

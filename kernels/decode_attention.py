@@ -33,21 +33,11 @@ n_tokens; batch.positions agrees with row_pos (the combine merges splits
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from superfluid.kernels.attention import KEY_CHUNK, AttnBatch, AttnGroup
-
-if not torch.cuda.is_available():  # read when @triton.jit runs, below: no GPU means the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from superfluid.kernels.triton_import import tl, triton
 
 SPLIT = 256  # cells a split covers, at absolute positions
 BLOCK_N = KEY_CHUNK  # keys a chunk inside a split

@@ -6,19 +6,9 @@ reduced the same way whatever else is in the tensor.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():  # read when @triton.jit runs, below: no GPU means the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from superfluid.kernels.triton_import import tl, triton
 
 
 def rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,19 +7,9 @@ rounded one at a time (no a*b+c fusion).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():  # read when @triton.jit runs, below: no GPU means the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from superfluid.kernels.triton_import import tl, triton
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

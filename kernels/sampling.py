@@ -19,14 +19,13 @@ rows without a mask skip it (the kernel compiles it out when no row has one).
 
 The uniform comes from kernels.rng.uniform_torch and is passed to the kernel.
 Triton is optional: without it this module still imports and sample_triton
-raises. Without CUDA, Triton can only run through its interpreter, so this
-module turns TRITON_INTERPRET on (unless set) before it defines the kernel.
+raises. Without CUDA, Triton can only run through its interpreter
+(kernels/triton_import.py turns it on before any kernel is defined).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 
@@ -35,16 +34,7 @@ import torch
 
 from superfluid.kernels import cpu as _cpu
 from superfluid.kernels.rng import position_to_int64, uniform_torch
-
-if not torch.cuda.is_available():  # the env var is read when @triton.jit runs, below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from superfluid.kernels.triton_import import tl, triton
 
 Param = torch.Tensor | Sequence[float] | Sequence[int]
 Mask = torch.Tensor | np.ndarray  # int32 [n, ceil(V/32)]

@@ -24,19 +24,9 @@ references agree to 1e-5. Tiles are at least 16 wide, what tl.dot wants on a GPU
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():  # read when @triton.jit runs, below: no GPU means the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from superfluid.kernels.triton_import import tl, triton
 
 __all__ = ["causal_conv", "ssd_chunk", "ssm_update"]
 
