@@ -1,7 +1,7 @@
 """`superfluid bench grammar`: what grammar masking costs a decode step at vocab 32k.
 
 The model: SMALL's shape (engine.tiny: hidden 512, 8 layers, vocabulary
-32000), seeded, with engine.bpe's locally trained 32k byte-level BPE as its
+32000), seeded, with bench/bpe.py's locally trained 32k byte-level BPE as its
 tokenizer.json (nothing is downloaded), on the torch backend on the CPU.
 The grammar: a 25-property JSON schema (strings, bounded integers and
 numbers, enums, patterns, an array, a nullable field).

@@ -209,7 +209,7 @@ func (d *Daemon) PythonCode(t testing.TB, code string) string {
 
 func (d *Daemon) run(t testing.TB, args ...string) string {
 	var stdout, stderr bytes.Buffer
-	// -P: the working directory never shadows an installed package (see the README).
+	// -P: the working directory never shadows an installed package (docs/development.md).
 	cmd := exec.Command(d.Python, append([]string{"-P"}, args...)...)
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
