@@ -142,8 +142,8 @@ class Worker:
         self.out.partial(self.session, plan_seq, lane_tag, token, index)
 
     def _flush_ops(self) -> None:
-        if self.ex.completions:
-            self.out.completions(self.ex._take_completions(), self._comp_session)
+        if self.ex.pending.completions:
+            self.out.completions(self.ex.pending.take_completions(), self._comp_session)
 
     def _while_blocked(self) -> None:
         """The outbox waits for event room: what cannot wait goes on."""
@@ -216,7 +216,7 @@ class Worker:
     def _gate_gauges(self) -> None:
         """The speculation gate's states and figures, when they moved: from
         the periodic look and at idle, not every plan (a snapshot is a walk)."""
-        gate = self.ex.spec_gate
+        gate = self.ex.registry.spec_gate
         if self.metrics is not None and gate.changes != self._gate_seen:
             self._gate_seen = gate.changes
             self.metrics.spec_gate(gate.snapshot())
@@ -234,16 +234,17 @@ class Worker:
         ex = self.ex
         mv = self._counters_mv
         lanes, entries, cache_bytes = len(ex.lanes), len(ex.cache), ex.cache.resident_bytes
-        _TICK_WORDS.pack_into(mv, _TICK_AT, ex.tick_count, ex.rejects, ex.last_plan_seq or 0, lanes, entries,
-                              cache_bytes, ex.tokens_emitted)
-        if ex.last_fault is not None:
-            _FAULT.pack_into(mv, _FAULT_AT, *ex.last_fault)
+        n = ex.counters
+        _TICK_WORDS.pack_into(mv, _TICK_AT, n.tick_count, n.rejects, n.last_plan_seq or 0, lanes, entries,
+                              cache_bytes, n.tokens_emitted)
+        if ex.lanes.last_fault is not None:
+            _FAULT.pack_into(mv, _FAULT_AT, *ex.lanes.last_fault)
         if self.metrics is not None:
-            g = (lanes, entries, cache_bytes, ex.seeded_tokens)
+            g = (lanes, entries, cache_bytes, ex.counters.seeded_tokens)
             if g != self._gauges:  # unchanged gauges: nothing to write
                 self._gauges = g
                 self.metrics.gauges(lanes_live=lanes, cache_entries=entries, cache_bytes=cache_bytes,
-                                    cache_hit_tokens=ex.seeded_tokens)
+                                    cache_hit_tokens=ex.counters.seeded_tokens)
 
     # ------------------------------------------------------------ sessions
 
@@ -255,9 +256,9 @@ class Worker:
         if session != self.session:
             self._flush_ops()  # the last session's completions are its own
             self.session = session
-            self.ex.session = session
+            self.ex.lanes.session = session
             self.seg.counters.session_id = session  # at once: sf_session_begin counts past it
-            self.ex.last_plan_seq = None  # plan_seq starts afresh: no session waits on another's
+            self.ex.counters.last_plan_seq = None  # plan_seq starts afresh: no session waits on another's
         return True
 
     def _stale(self, what: str, session: int) -> str:
@@ -273,7 +274,7 @@ class Worker:
         would fill that many bytes (they cannot go out yet)."""
         q = self.seg.op_queue
         stale: dict[int, list] = {}
-        pending = sum(map(completion_bytes, self.ex.completions)) if room is not None else 0
+        pending = sum(map(completion_bytes, self.ex.pending.completions)) if room is not None else 0
         # At most a queue's worth: counters a planner scribbled on could claim 2^64.
         for _ in range(q.n_slots):
             if room is not None and pending >= room:
@@ -311,7 +312,7 @@ class Worker:
             ev = TickEvents(plan_seq=seq, status=int(Status.StaleSession), worker_epoch=self.epoch,
                             message=self._stale("plan", session).encode())
         else:
-            if not self._outbox and not self.ex.completions:
+            if not self._outbox and not self.ex.pending.completions:
                 head = empty_plan(slot)
                 if head is not None and self._empty(head, session):
                     return
@@ -320,7 +321,7 @@ class Worker:
             except PlanReject as r:
                 seq = plan_seq_of(slot)
                 _release(self._plan_view)
-                self.ex.rejects += 1
+                self.ex.counters.rejects += 1
                 ev = self.ex._refused(seq, r.status, r.field, r.message).events
             else:
                 _release(self._plan_view)  # decoded: the planner may queue the next plan now
@@ -395,7 +396,7 @@ class Worker:
                 if _peek_at(op_view) >= 0:
                     self._drain_ops()
                     start = 0
-                if ex.completions and _peek_at(plan_view) < 0:
+                if ex.pending.completions and _peek_at(plan_view) < 0:
                     self._flush_ops()  # no tick to carry them: answer the ops at once
                 if self._outbox:
                     self.out.flush()  # (may wait for event room: the budget counts only the wait below)
@@ -428,7 +429,8 @@ class Worker:
 
     def _counters_final(self) -> None:
         c = self.seg.counters
-        c.ticks, c.rejects, c.tokens_emitted = self.ex.tick_count, self.ex.rejects, self.ex.tokens_emitted
+        n = self.ex.counters
+        c.ticks, c.rejects, c.tokens_emitted = n.tick_count, n.rejects, n.tokens_emitted
         c.heartbeat_ns = lib.sf_monotonic_ns()
 
 

@@ -50,29 +50,29 @@ class AdmitPhase:
         ex = self.ex
         desc = ex.desc
         for a in self.plan.admits:
-            ex.faulted.discard(a.lane_tag)
+            ex.lanes.faulted.discard(a.lane_tag)
             prompt = self.verdict.prompts[a.lane_tag]
             use = self.verdict.seeds.get(a.lane_tag)
-            bias = ex.biases.get(a.logit_bias_handle) if a.logit_bias_handle else None
+            bias = ex.registry.biases.get(a.logit_bias_handle) if a.logit_bias_handle else None
             granted = grant(a.determinism_class, int(Determinism.SEED_PATH_INVARIANT))
             lane = Lane(
                 tag=a.lane_tag, seq=0, sampling=a.sampling, params=a.params, rng_base=a.rng_counter_base,
                 prompt=prompt, prefill_end=admitted_span(a, prompt, use)[0], bias=bias,
                 logprobs_top=(a.want_logprobs - 1) if a.want_logprobs else None, granted_class=granted,
-                session=ex.session)
+                session=ex.lanes.session)
             lane.greedy = a.sampling == _GREEDY or a.params.temperature <= 0
             lane.ignore_eos = bool(a.params.flags & _IGNORE_EOS)
             lane.engine_ok = (desc.engine_sampling and a.sampling != _HOST and (lane.greedy or desc.engine_draws)
                               and bias is None and not hs.penalizes(a.params) and lane.logprobs_top is None)
             cursor = self.verdict.cursors.get(a.lane_tag)
             if cursor is not None:  # the check replayed it; the lane borrows the grammar until its end
-                ex.grammars.borrow(a.grammar_handle, a.lane_tag)
+                ex.registry.grammars.borrow(a.grammar_handle, a.lane_tag)
                 lane.grammar_handle, lane.grammar = a.grammar_handle, cursor
             # A lane that drafts gets its strategy's cert and keeps its class (speculation_decode.py
             # says why); one that cannot draft (HOST, grammar, bias, logprobs) gets cert 0.
             cert = 0
             if a.strategy_slot:
-                st = ex.strategies.get(a.strategy_slot)
+                st = ex.registry.strategies.get(a.strategy_slot)
                 if drafts(a.sampling, a.grammar_handle, bias, a.want_logprobs):
                     lane.spec = LaneSpec(st)
                     cert = st.cert_id
@@ -130,7 +130,7 @@ class AdmitPhase:
             self._lost_import(lane, use)
             return
         e.seeded += 1
-        e.last_used = ex.tick_count
+        e.last_used = ex.counters.tick_count
 
     def _lost_import(self, lane: Lane, use: SeedUse) -> None:
         """A failed import is state lost, not a request lost: the lane

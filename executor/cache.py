@@ -45,8 +45,14 @@ class _Node:
 
 
 class PrefixCache:
-    def __init__(self, page: int) -> None:
+    """The entries, and the limits the executor keeps them within: max_bytes
+    for resident entries (None: no limit), host_max_bytes for exported ones
+    (0: no host tier)."""
+
+    def __init__(self, page: int, max_bytes: int | None = None, host_max_bytes: int = 0) -> None:
         self.page = max(1, page)
+        self.max_bytes = max_bytes
+        self.host_max_bytes = max(0, host_max_bytes)
         self.entries: dict[int, CacheEntry] = {}  # by eid
         self._by_seq: dict[int, CacheEntry] = {}
         self._root = _Node(None, ())

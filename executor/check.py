@@ -46,9 +46,9 @@ def reject(status: Status, field: str, message: str) -> PlanReject:
 def check(ex, plan: TickPlan) -> Verdict:
     """Every check of contract §3, in order. Raises PlanReject."""
     desc = ex.desc
-    if ex.last_plan_seq is not None and plan.plan_seq <= ex.last_plan_seq:
+    if ex.counters.last_plan_seq is not None and plan.plan_seq <= ex.counters.last_plan_seq:
         raise reject(Status.RejectIllegalCombination, "TickPlan.plan_seq",
-                     f"{plan.plan_seq} is not above the last accepted {ex.last_plan_seq}")
+                     f"{plan.plan_seq} is not above the last accepted {ex.counters.last_plan_seq}")
     if plan.max_decode_lanes > desc.max_batch:
         raise reject(Status.RejectBudget, "TickPlan.max_decode_lanes",
                      f"{plan.max_decode_lanes} > max_batch {desc.max_batch}")
@@ -104,14 +104,14 @@ def _admits(ex, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], di
         if a.decode_replay >= prompt.size:
             raise reject(Status.RejectBounds, f"{f}.decode_replay",
                          f"{a.decode_replay} >= the prompt's {prompt.size} tokens")
-        if a.strategy_slot and a.strategy_slot not in ex.strategies:
+        if a.strategy_slot and a.strategy_slot not in ex.registry.strategies:
             raise reject(Status.RejectIllegalCombination, f"{f}.strategy_slot",
                          f"no strategy is installed in slot {a.strategy_slot}")
         if a.grammar_handle:
             cursors[a.lane_tag] = _grammar(ex, plan, a, prompt, grammars, i, f)
         elif a.grammar_replay:
             raise reject(Status.RejectIllegalCombination, f"{f}.grammar_replay", "grammar_replay without a grammar")
-        if a.logit_bias_handle and a.logit_bias_handle not in ex.biases:
+        if a.logit_bias_handle and a.logit_bias_handle not in ex.registry.biases:
             raise reject(Status.RejectIllegalCombination, f"{f}.logit_bias_handle",
                          f"logit bias {a.logit_bias_handle} is not registered")
         tokens = prompt.tolist()
@@ -130,7 +130,7 @@ def _admits(ex, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], di
 def _grammar(ex, plan: TickPlan, a: LaneAdmit, prompt, seen: dict[int, int], i: int, f: str):
     """Step 4's grammar rules, in order; the cursor that replayed the prompt's tail."""
     h = a.grammar_handle
-    reg = ex.grammars
+    reg = ex.registry.grammars
     if h not in reg:
         raise reject(Status.RejectIllegalCombination, f"{f}.grammar_handle", f"grammar {h} is not registered")
     if h in seen:
@@ -310,7 +310,7 @@ def retiring_live(ex, plan: TickPlan) -> set[int]:
 
 def _retires(ex, plan: TickPlan) -> None:
     for i, r in enumerate(plan.retires):
-        if r.lane_tag not in ex.lanes and r.lane_tag not in ex.faulted:
+        if r.lane_tag not in ex.lanes and r.lane_tag not in ex.lanes.faulted:
             raise reject(Status.RejectUnknownLane, f"retires[{i}].lane_tag", f"no live or faulted lane {r.lane_tag}")
 
 
@@ -337,7 +337,7 @@ def _events_fit(ex, plan: TickPlan) -> None:
 
 def _empty_events_bound(ex) -> int:
     # Every cache entry's eviction at most once, and the evictions ops made.
-    return _EVENTS_BASE + (len(ex.cache.entries) + len(ex.pending_shed)) * _SHED
+    return _EVENTS_BASE + (len(ex.cache.entries) + len(ex.pending.shed)) * _SHED
 
 
 def empty_events_fit(ex) -> bool:

@@ -79,7 +79,7 @@ class DecodePhase:
             tag = d.lane_tag
             if tag in self.faulted_now:
                 continue
-            code = ex.inject_fault.pop(tag, None)
+            code = ex.lanes.injected.pop(tag, None)
             if code is not None:
                 self.fault(tag, code)
                 continue
@@ -99,7 +99,7 @@ class DecodePhase:
             round_.append((tag, lane.pending_input))
             lane.pending_input = None
         self._replay(replaying, remaining)
-        if not ex.strategies.slots:
+        if not ex.registry.strategies.slots:
             self._rounds(round_, remaining)
             return
         t0 = ex.clock()
@@ -178,7 +178,7 @@ class DecodePhase:
         (contract §5: the mask comes first): the bitmask, row j for tags[j],
         and each lane's row; a lane whose matcher is in error faults
         GRAMMAR_OVERFLOW (and has no row), the others go on."""
-        reg = self.ex.grammars
+        reg = self.ex.registry.grammars
         bits = reg.bitmask(len(tags), fill=False)  # fill writes every row
         bad = reg.fill([(self.ex.lanes[tag].grammar, j) for j, tag in enumerate(tags)], bits)
         for j in bad:
@@ -257,7 +257,7 @@ class DecodePhase:
                         except RefError:
                             self.fault(tag, Fault.REF_SPAN_OOB)
                             continue
-                        lane.pending_row = PendingRow(ex._fresh_nonce(), ref)
+                        lane.pending_row = PendingRow(ex.fresh_nonce(), ref)
                         continue
                     j = masks.pop(tag, None)
                     token = self._host_pick(lane, row, None if j is None else bits[j])
@@ -322,10 +322,10 @@ class DecodePhase:
         ex = self.ex
         exempt = frozenset()
         if hs.penalizes(lane.params):
-            if ex.penalty_exempt is None:
+            if ex.registry.penalty_exempt is None:
                 v = self.rt.vocabulary()
-                ex.penalty_exempt = frozenset(v.specials.values()) | frozenset(v.eos)
-            exempt = ex.penalty_exempt
+                ex.registry.penalty_exempt = frozenset(v.specials.values()) | frozenset(v.eos)
+            exempt = ex.registry.penalty_exempt
         want = 0 if lane.logprobs_top is None else lane.logprobs_top + 1
         token, lp = hs.pick(row, lane.sampling, lane.params, lane.position, bias=lane.bias, history=lane.committed,
                             exempt=exempt, mask=mask, want_logprobs=want)
@@ -358,7 +358,7 @@ class DecodePhase:
             except RefError:
                 self.fault(tag, Fault.REF_SPAN_OOB)
                 continue
-            ex.tokens_emitted += len(tokens)
+            ex.counters.tokens_emitted += len(tokens)
             spec = self.spec_stats.get(tag) if self.spec_stats else None
             if spec is None:
                 emits.append(LaneEmit(lane_tag=tag, token_ref=ref, n_tokens=len(tokens), finish=finish))
@@ -368,9 +368,9 @@ class DecodePhase:
         status = (_TICK_LANE_ERRORS if self.faults else
                   _TICK_SHED if self.chunks_dropped or self.evictions else _TICK_OK)
         shed = ShedReport(self.chunks_dropped, self.evictions, self.bytes_evicted, tuple(self.shed))
-        comps = ex.completions
+        comps = ex.pending.completions
         if comps:
-            ex.completions = []
+            ex.pending.completions = []
         return TickEvents(0, self.plan.plan_seq, _OK, status, tuple(self.admit_results), tuple(emits),
                           tuple(self.faults), shed, tuple(comps), tuple(self.logprobs), b"", timings, ex._mem_record(),
                           ex.epoch)

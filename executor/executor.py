@@ -24,12 +24,10 @@ from superfluid.abi.records import ShedReport, TickEvents, TickMemCounters, Tick
 from superfluid.engine.runtime import FatalError, MemCounters, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check, empty_events_fit
-from superfluid.executor.grammar import GrammarRegistry
-from superfluid.executor.lanes import FaultedLanes, Lane
+from superfluid.executor.lanes import Lanes
 from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
-from superfluid.executor.speculation import StrategyTable
-from superfluid.executor.speculation_gate import SpecGate
+from superfluid.executor.state import Counters, Pending, Registry
 from superfluid.executor.state_dir import StateDir
 from superfluid.executor.tick import Tick
 
@@ -90,39 +88,21 @@ class Executor:
         self.fault_injection = fault_injection
         self.fatal_exit = fatal_exit
         self.clock = clock
-        self.lanes: dict[int, Lane] = {}
-        self.faulted = FaultedLanes()  # faulted lanes not yet retired: their tags
-        self.session = 0  # the planner session served now (the worker sets it); lanes record it
-        self.cache = PrefixCache(self.page)
+        self.lanes = Lanes()
         if cache_max_bytes == AUTO:
             mem = runtime.mem_counters()
             cache_max_bytes = mem.cells_total * runtime.cell_bytes() // 2 if mem.cells_total else None
-        self.cache_max_bytes = cache_max_bytes
-        self.host_cache_bytes = max(0, host_cache_bytes)
+        self.cache = PrefixCache(self.page, cache_max_bytes, host_cache_bytes)
         self.leases = LeaseTable(self.cache, max_leases)
+        self.registry = Registry(runtime)
+        self.counters = Counters()
+        self.pending = Pending()
         self.state_dir = StateDir(state_dir, state_dir_bytes) if state_dir is not None else None
-        self.last_plan_seq: int | None = None
-        self.tick_count = 0
-        self.biases: dict[int, Any] = {}  # handle -> hs.LogitBias
-        self.grammars = GrammarRegistry.for_runtime(runtime)  # handles, and the lane borrowing each
-        self.strategies = StrategyTable()  # op INSTALL_STRATEGY's slots (speculation.py)
-        self.spec_gate = SpecGate(self.strategies)  # whether drafting pays; .snapshot() for metrics and benches
-        self.next_handle = 1
-        self.inject_fault: dict[int, int] = {}  # lane tag -> fault code, fired at its next decode
-        self.completions: list = []  # OpCompletion records for the next events
-        self.pending_shed: list = []  # evictions made by ops, reported by the next tick
-        self._nonce = 0
-        self.prefill_secs_per_token: float | None = None
-        self.penalty_exempt: frozenset[int] | None = None
         self.dead: str | None = None  # why the executor refuses ticks after a fatal error
         self.partial_sink: Callable[[int, int, int, int], None] | None = None
         # Called once a tick's model steps are done, before its events are built
         # (a worker wakes its planner and parks the runtime's threads there).
         self.steps_done: Callable[[], None] | None = None
-        self.tokens_emitted = 0
-        self.seeded_tokens = 0  # prompt tokens admits took from seeds instead of prefilling
-        self.rejects = 0
-        self.last_fault: tuple[int, int] | None = None  # (lane, code) of the newest LaneFault
         self.event_capacity: int | None = None  # bytes an events message may take (the event slot)
 
     # ------------------------------------------------------------ helpers
@@ -138,17 +118,13 @@ class Executor:
     def pages(self, cells: int) -> int:
         return -(-cells // self.page)
 
-    def _fresh_nonce(self) -> int:
-        self._nonce += 1
-        return ((self.epoch & 0xFFFFF) << 44) | self._nonce
+    def fresh_nonce(self) -> int:
+        c = self.counters
+        c.nonce += 1
+        return ((self.epoch & 0xFFFFF) << 44) | c.nonce
 
     def entry_bytes(self, cells: int) -> int:
         return cells * self.runtime.cell_bytes()
-
-    def new_handle(self) -> int:
-        h = self.next_handle
-        self.next_handle += 1
-        return h
 
     def fatal(self, during: str, err: Exception) -> ExecutorFatal:
         msg = (f"superfluid: the {self.desc.runtime_id} runtime failed in {during} ({err}); "
@@ -164,12 +140,12 @@ class Executor:
 
     def sweep_leases(self) -> None:
         """contract §3 step 3 (also run by ops, so a table full of dead leases frees up)."""
-        self.leases.sweep(self.tick_count)
+        self.leases.sweep(self.counters.tick_count)
 
     def to_host(self, e: CacheEntry) -> bool:
         """Move a resident entry's state to the host tier (the caller frees
         its sequence); False where it cannot go (no room, no export)."""
-        cap = self.host_cache_bytes
+        cap = self.cache.host_max_bytes
         if cap <= 0 or e.bare:
             return False
         try:
@@ -219,7 +195,7 @@ class Executor:
                     return TickResult(Status.OK, events)
             verdict = self.check(plan)
         except PlanReject as r:
-            self.rejects += 1
+            self.counters.rejects += 1
             return self._refused(seq, r.status, r.field, r.message)
         try:
             events = self.apply(verdict, t0)
@@ -233,8 +209,8 @@ class Executor:
 
     def apply(self, v: Verdict, t0: int) -> TickEvents:
         plan = v.plan
-        self.last_plan_seq = plan.plan_seq
-        self.tick_count += 1
+        self.counters.last_plan_seq = plan.plan_seq
+        self.counters.tick_count += 1
         t = Tick(self, v)
         # A phase whose list is empty has nothing to do: it is not entered.
         for e in v.evict:
@@ -247,7 +223,7 @@ class Executor:
         if plan.admits:
             t.takeovers()
             t.admits()
-            self.seeded_tokens += sum(u.n for u in v.seeds.values())
+            self.counters.seeded_tokens += sum(u.n for u in v.seeds.values())
         clock = self.clock
         t_prefill = clock()
         if plan.prefills:
@@ -268,9 +244,9 @@ class Executor:
         events' memory record. None, having changed nothing, where the plan
         would meet more (a rule it breaks, evictions to report, a cache over
         its limit, more sequences than slots): the general path takes it."""
-        last, limit = self.last_plan_seq, self.cache_max_bytes
+        last, limit = self.counters.last_plan_seq, self.cache.max_bytes
         if (self.dead or (last is not None and plan_seq <= last) or max_decode_lanes > self.desc.max_batch
-                or self.pending_shed or (limit is not None and self.cache.resident_bytes > limit)
+                or self.pending.shed or (limit is not None and self.cache.resident_bytes > limit)
                 or not empty_events_fit(self)):
             return None
         mem = self.runtime.mem_counters()
@@ -278,29 +254,25 @@ class Executor:
             return None
         if self.leases.leases:  # (none: nothing to sweep, and a call saved on every empty plan)
             self.sweep_leases()
-        self.last_plan_seq = plan_seq
-        self.tick_count += 1
+        self.counters.last_plan_seq = plan_seq
+        self.counters.tick_count += 1
         return self._mem_record(mem)
 
     def _tick_empty(self, plan: TickPlan, t0: int) -> TickEvents | None:
         mem = self.tick_empty(plan.plan_seq, plan.max_decode_lanes)
         if mem is None:
             return None
-        comps = self.completions
+        comps = self.pending.completions
         if comps:
-            self.completions = []
+            self.pending.completions = []
         return TickEvents(0, plan.plan_seq, _OK, _TICK_OK, (), (), (), _NO_SHED, tuple(comps), (), b"",
                           TickTimings(self.clock() - t0, 0, 0, 0, 0), mem, self.epoch)
 
     def _refused(self, plan_seq: int, status: Status, field: str, message: str) -> TickResult:
         detail = f"{field}: {message}"
         ev = TickEvents(plan_seq=plan_seq, status=int(status), message=detail.encode(), worker_epoch=self.epoch,
-                        op_completions=tuple(self._take_completions()), mem=self._mem_record())
+                        op_completions=tuple(self.pending.take_completions()), mem=self._mem_record())
         return TickResult(status, ev, detail)
-
-    def _take_completions(self) -> list:
-        out, self.completions = self.completions, []
-        return out
 
     # ---------------------------------------------------------------- ops
 
@@ -311,7 +283,7 @@ class Executor:
 
         done = run_op(self, msg)
         if queue:
-            self.completions.append(done)
+            self.pending.completions.append(done)
         return done
 
     # ------------------------------------------------------------- state
@@ -335,11 +307,12 @@ class Executor:
         def put(*xs: Any) -> None:
             h.update(repr(xs).encode())
 
-        faulted = [(t, getattr(self.faulted.lanes.get(t), "session", None)) for t in sorted(self.faulted)]
-        put(self.last_plan_seq, self.tick_count, self._nonce, faulted, sorted(self.inject_fault.items()),
-            sorted(self.biases), self.next_handle, len(self.pending_shed), self.seeded_tokens,
-            [(h, self.grammars.borrower(h)) for h in self.grammars.handles()],
-            [st.describe() for st in self.strategies], self.strategies.next_cert, self.spec_gate.snapshot())
+        lanes, c, reg = self.lanes, self.counters, self.registry
+        faulted = [(t, getattr(lanes.faulted.lanes.get(t), "session", None)) for t in sorted(lanes.faulted)]
+        put(c.last_plan_seq, c.tick_count, c.nonce, faulted, sorted(lanes.injected.items()),
+            sorted(reg.biases), reg.next_handle, len(self.pending.shed), c.seeded_tokens,
+            [(h, reg.grammars.borrower(h)) for h in reg.grammars.handles()],
+            [st.describe() for st in reg.strategies], reg.strategies.next_cert, reg.spec_gate.snapshot())
         for tag in sorted(self.lanes):
             ln = self.lanes[tag]
             put(tag, ln.seq, ln.sampling, tuple(ln.params), ln.rng_base, ln.rng_counter, ln.prompt, ln.prefill_end,

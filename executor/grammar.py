@@ -191,7 +191,7 @@ class Matcher:
 
 
 class GrammarRegistry:
-    """The executor's grammars by handle (Executor.grammars), and which lane
+    """The executor's grammars by handle (Registry.grammars), and which lane
     borrows each.
 
     A grammar is borrowed by at most one lane at a time (contract §3 step 4): an

@@ -34,7 +34,7 @@ def _held(ex) -> list[tuple[int, Lane | None, str]]:
     """Every lane a retire may name, by tag: (tag, lane, state). A faulted
     lane is as it was when it faulted (its sequence is gone)."""
     rows = [(t, ln, ln.phase) for t, ln in ex.lanes.items()]
-    rows += [(t, ex.faulted.lanes.get(t), "faulted") for t in ex.faulted]
+    rows += [(t, ex.lanes.faulted.lanes.get(t), "faulted") for t in ex.lanes.faulted]
     rows.sort(key=lambda r: r[0])
     return rows
 
@@ -59,7 +59,7 @@ def list_lanes(ex, msg: dict) -> tuple[int, int, bytes]:
         if ex.event_capacity is None or len(payload) <= ex.event_capacity // 2 or n <= 1:
             break
         n //= 2
-    return 0, len(ex.lanes) + len(ex.faulted), payload
+    return 0, len(ex.lanes) + len(ex.lanes.faulted), payload
 
 
 def _chosen(ex, msg: dict) -> list[int]:
@@ -76,7 +76,7 @@ def _chosen(ex, msg: dict) -> list[int]:
         raise OpError(OpStatus.BadRequest, "field 'tags' is missing (or give 'all': true)")
     tags = u64_list(msg, "tags")
     for t in tags:
-        if t not in ex.lanes and t not in ex.faulted:
+        if t not in ex.lanes and t not in ex.lanes.faulted:
             raise OpError(OpStatus.NoMatch, f"field 'tags': no live or faulted lane {t}")
     return tags
 
@@ -88,7 +88,7 @@ def retire_lanes(ex, msg: dict) -> tuple[int, int, bytes]:
     tags = _chosen(ex, msg)
     # Between ticks: evictions it causes are reported by the next tick, whose
     # tick number its publishes carry (a plan retire there would do the same).
-    phase = RetirePhase(ex, ex.pending_shed, ex.tick_count + 1)
+    phase = RetirePhase(ex, ex.pending.shed, ex.counters.tick_count + 1)
     try:
         phase.retire([(t, publish) for t in tags])
         phase.settle_cache()

@@ -34,7 +34,7 @@ class Lane:
     finished: bool = False
     rng_counter: int = 0  # sampled and committed tokens: draw position = rng_base + rng_counter
     bias: Any = None  # a registered logit bias
-    grammar_handle: int = 0  # the grammar it borrows (Executor.grammars), 0 = none
+    grammar_handle: int = 0  # the grammar it borrows (Registry.grammars), 0 = none
     grammar: Any = None  # its grammar.Matcher while it borrows one
     logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
     granted_class: int = 0
@@ -43,7 +43,7 @@ class Lane:
     greedy: bool = False
     ignore_eos: bool = False
     engine_ok: bool = False  # the engine may sample it (no host-only step applies)
-    session: int = 0  # the planner session that admitted it (Executor.session then)
+    session: int = 0  # the planner session that admitted it (Lanes.session then)
 
     @property
     def position(self) -> int:
@@ -85,3 +85,16 @@ class FaultedLanes(set):
     def discard(self, tag: int) -> None:
         super().discard(tag)
         self.lanes.pop(tag, None)
+
+
+class Lanes(dict[int, Lane]):
+    """The live lanes by tag (the dict itself), and what the executor keeps
+    about lanes beside them: the faulted ones, faults op INJECT_FAULT armed,
+    the newest fault, and the planner session they are admitted for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faulted = FaultedLanes()  # faulted lanes not yet retired: their tags
+        self.injected: dict[int, int] = {}  # lane tag -> fault code, fired at its next decode
+        self.last_fault: tuple[int, int] | None = None  # (lane, code) of the newest LaneFault
+        self.session = 0  # the planner session served now (the worker sets it); lanes record it

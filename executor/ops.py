@@ -116,21 +116,21 @@ def _register_bias(ex, msg: dict) -> tuple[int, int, bytes]:
         vals.append(float(val))
     if len(set(ids)) != len(ids):
         raise OpError(OpStatus.BadRequest, "field 'bias': a token appears twice")
-    h = ex.next_handle
-    ex.next_handle += 1
-    ex.biases[h] = hs.as_bias_arrays(dict(zip(ids, vals)))  # arrays once, not per sampled token
+    h = ex.registry.next_handle
+    ex.registry.next_handle += 1
+    ex.registry.biases[h] = hs.as_bias_arrays(dict(zip(ids, vals)))  # arrays once, not per sampled token
     return h, len(ids), b""
 
 
 def _release_bias(ex, msg: dict) -> tuple[int, int, bytes]:
     h = _handle(msg)
-    if ex.biases.pop(h, None) is None:
+    if ex.registry.biases.pop(h, None) is None:
         raise OpError(OpStatus.UnknownHandle, f"no logit bias {h}")
     return h, 0, b""
 
 
 def _register_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
-    reg = ex.grammars
+    reg = ex.registry.grammars
     if not reg.supported:  # before the fields: no grammar of any kind can work here
         raise OpError(OpStatus.Unsupported, "grammars need a tokenizer: this runtime has none "
                                             "(no tokenizer.json in its checkpoint)")
@@ -146,14 +146,14 @@ def _register_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
         raise OpError(OpStatus.Unsupported, str(e)) from None
     except gr.GrammarError as e:
         raise OpError(OpStatus.BadRequest, f"{kind}: {e}") from None
-    h = ex.new_handle()
+    h = ex.registry.new_handle()
     reg.add(h, g)
     return h, g.compile_us, b""
 
 
 def _release_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
     h = _handle(msg)
-    if not ex.grammars.release(h):
+    if not ex.registry.grammars.release(h):
         raise OpError(OpStatus.UnknownHandle, f"no grammar {h}")
     return h, 0, b""
 
@@ -171,7 +171,7 @@ def _install_strategy(ex, msg: dict) -> tuple[int, int, bytes]:
     max_draft = _u32(msg, "max_draft", lo=1, hi=spec.MAX_DRAFT)
     ngram_min = _u32(msg, "ngram_min", lo=1, hi=spec.MAX_NGRAM)
     ngram_max = _u32(msg, "ngram_max", lo=ngram_min, hi=spec.MAX_NGRAM)
-    st = ex.strategies.install(slot, kind, max_draft, ngram_min, ngram_max)
+    st = ex.registry.strategies.install(slot, kind, max_draft, ngram_min, ngram_max)
     return 0, st.cert_id, b""
 
 
@@ -184,7 +184,7 @@ def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
         raise OpError(OpStatus.BadRequest, f"field 'code': {echo(code)} is not a fault code")
     if tag not in ex.lanes:
         raise OpError(OpStatus.NoMatch, f"no live lane {echo(tag)}")
-    ex.inject_fault[tag] = code
+    ex.lanes.injected[tag] = code
     return 0, tag, b""
 
 
@@ -202,7 +202,7 @@ def _cache_clear(ex, msg: dict) -> tuple[int, int, bytes]:
         except RuntimeFailure:
             pass  # the runtime holds nothing more of it that we could free
         # Reported in the next tick's shed report, so the counters reconcile.
-        ex.pending_shed.append(ShedEntry(lane_tag=0, kind=int(ShedKind.CACHE_EVICTION),
+        ex.pending.shed.append(ShedEntry(lane_tag=0, kind=int(ShedKind.CACHE_EVICTION),
                                          reason=int(ShedReason.CLEARED), bytes=e.bytes, tokens=len(e.tokens)))
         freed += e.bytes
     return 0, freed, b""

@@ -48,7 +48,7 @@ def lease_seed(ex, msg: dict) -> tuple[int, int, bytes]:
         what = "a checkpoint's whole key" if ex.exact_only else f"a whole page ({ex.page} tokens)"
         raise OpError(OpStatus.NoMatch, f"no cache entry shares {what} with the {len(toks)} tokens")
     entry, n = hit
-    lease = SeedLease(ex.new_handle(), entry, tuple(toks[:n]), det, ex.tick_count + ttl)
+    lease = SeedLease(ex.registry.new_handle(), entry, tuple(toks[:n]), det, ex.counters.tick_count + ttl)
     ex.leases.add(lease)
     return lease.handle, n, b""
 
@@ -169,7 +169,7 @@ def import_state(ex, msg: dict) -> tuple[int, int, bytes]:
         if isinstance(err, CapacityError):
             raise OpError(OpStatus.Capacity, f"no room for the import: {err}") from None
         raise OpError(OpStatus.BadRequest, f"field 'blob': {err}") from None
-    entry = ex.cache.insert(seq, tuple(toks), n, ex.entry_bytes(n), ex.tick_count, bare=True)
-    lease = SeedLease(ex.new_handle(), entry, tuple(toks), det, ex.tick_count + ttl, adopt=True)
+    entry = ex.cache.insert(seq, tuple(toks), n, ex.entry_bytes(n), ex.counters.tick_count, bare=True)
+    lease = SeedLease(ex.registry.new_handle(), entry, tuple(toks), det, ex.counters.tick_count + ttl, adopt=True)
     ex.leases.add(lease)
     return lease.handle, n, b""

@@ -53,7 +53,7 @@ class SpecPhase:
             st = ls.strategy
             on = decisions.get(st)
             if on is None:
-                on = decisions[st] = ex.spec_gate.decide(st, self.spec_lanes)
+                on = decisions[st] = ex.registry.spec_gate.decide(st, self.spec_lanes)
             if on:
                 self.spec_over[tag] = overshoot[tag]
             self.spec_stats[tag] = [0, 0, st.cert_id if on else 0]
@@ -69,7 +69,7 @@ class SpecPhase:
         if tokens < self.spec_lanes:
             return
         for st, on in self.spec_decisions.items():
-            self.ex.spec_gate.record(st, self.spec_lanes, on, seconds, tokens)
+            self.ex.registry.spec_gate.record(st, self.spec_lanes, on, seconds, tokens)
 
     # ------------------------------------------------------- per round
 

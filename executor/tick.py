@@ -72,7 +72,7 @@ class RetirePhase:
 
     def settle_cache(self) -> None:
         """Keep the cache within its byte limit: least recently used first."""
-        limit = self.ex.cache_max_bytes
+        limit = self.ex.cache.max_bytes
         if limit is None:
             return
         over = self.ex.cache.resident_bytes - limit
@@ -144,13 +144,13 @@ class RetirePhase:
         # Frees first: the memory check counted their cells as free for the
         # publishes' pending feeds, whatever the plan's order.
         for tag, publish in retires:
-            if tag in ex.faulted:
-                ex.faulted.discard(tag)
+            if tag in ex.lanes.faulted:
+                ex.lanes.faulted.discard(tag)
                 continue
             lane = ex.lanes.pop(tag)
-            ex.inject_fault.pop(tag, None)
+            ex.lanes.injected.pop(tag, None)
             if lane.grammar_handle:
-                ex.grammars.give_back(lane.grammar_handle, tag)
+                ex.registry.grammars.give_back(lane.grammar_handle, tag)
             if publish and tag in unpublish:
                 # Evicted before it was kept, to make room for this plan.
                 self._shed_entry(0, ShedReason.MEMORY, ex.entry_bytes(lane.ingested), lane.ingested)
@@ -170,10 +170,10 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
     def __init__(self, ex, v: Verdict):
         plan: TickPlan = v.plan
         # Evictions ops made since the last tick are reported in this one.
-        pending = ex.pending_shed
+        pending = ex.pending.shed
         if pending:
-            ex.pending_shed = []  # the list is this tick's shed now
-        RetirePhase.__init__(self, ex, pending or [], ex.tick_count)
+            ex.pending.shed = []  # the list is this tick's shed now
+        RetirePhase.__init__(self, ex, pending or [], ex.counters.tick_count)
         self.plan = plan
         self.verdict = v
         self.admit_results: list = []
@@ -205,14 +205,14 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
             return
         self.faulted_now.add(tag)
         self.faults.append(LaneFaultRecord(lane_tag=tag, code=int(code), detail=detail))
-        self.ex.last_fault = (tag, int(code))
+        self.ex.lanes.last_fault = (tag, int(code))
         lane = self.ex.lanes.pop(tag, None)
         if lane is not None:
             if lane.grammar_handle:
-                self.ex.grammars.give_back(lane.grammar_handle, tag)
+                self.ex.registry.grammars.give_back(lane.grammar_handle, tag)
             self.free(lane.seq, "freeing a faulted lane")
-            self.ex.faulted.keep(lane)  # its tag, and what LIST_LANES shows of it
-        self.ex.inject_fault.pop(tag, None)
+            self.ex.lanes.faulted.keep(lane)  # its tag, and what LIST_LANES shows of it
+        self.ex.lanes.injected.pop(tag, None)
         self.rows.pop(tag, None)
 
     def step(self, feeds: list[Feed], tags: list[int], during: str) -> list[np.ndarray] | None:
@@ -259,7 +259,7 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
         n = ex.desc.prefill_step_tokens
         if n == 0:
             return 1 << 62
-        spt = ex.prefill_secs_per_token
+        spt = ex.counters.prefill_secs_per_token
         if spt and spt > 0 and ex.rings.latency_wanted():
             fits = int(LATENCY_STEP_SECS / spt) // LATENCY_STEP_UNIT * LATENCY_STEP_UNIT
             return min(max(fits, LATENCY_STEP_UNIT), max(n, LATENCY_STEP_UNIT))
@@ -343,8 +343,8 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
             checkpoints.clear()
         if ran >= LATENCY_STEP_UNIT:
             sample = (ex.clock() - t0) / 1e9 / ran
-            spt = ex.prefill_secs_per_token
-            ex.prefill_secs_per_token = sample if spt is None else 0.7 * spt + 0.3 * sample
+            spt = ex.counters.prefill_secs_per_token
+            ex.counters.prefill_secs_per_token = sample if spt is None else 0.7 * spt + 0.3 * sample
 
     def _checkpoint(self, tag: int) -> None:
         """On an exact_only runtime: a copy of a lane whose prompt of >= 128
@@ -378,4 +378,4 @@ class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
             if dst is not None:
                 self.free(dst, "a failed checkpoint")
             return
-        ex.cache.insert(dst, key, n, ex.entry_bytes(n), ex.tick_count, checkpoint=True)
+        ex.cache.insert(dst, key, n, ex.entry_bytes(n), ex.counters.tick_count, checkpoint=True)

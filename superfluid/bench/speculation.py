@@ -98,7 +98,7 @@ _WARMUP_MAX = 12  # warm-up batches at most, while the gate explores
 def _settled(ex, B: int) -> bool:
     from superfluid.executor.speculation_gate import bucket
 
-    for st in ex.spec_gate.snapshot()["strategies"]:
+    for st in ex.registry.spec_gate.snapshot()["strategies"]:
         for w in st["buckets"]:
             if w["lanes"] == bucket(B):
                 return w["state"] != "explore"
@@ -144,7 +144,7 @@ def _workload(workload: str, model: str, batches, tokens: int, repeats: int, gra
         out["speedup"][key] = round(with_ / without, 3)
         out["acceptance"][key] = round(accepted / proposed, 4) if proposed else None
         out["proposed"][key] = proposed
-    out["gate"] = sides[True][0].spec_gate.snapshot()
+    out["gate"] = sides[True][0].registry.spec_gate.snapshot()
     return out
 
 

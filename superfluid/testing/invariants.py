@@ -32,14 +32,14 @@ def snapshot(ex: Executor) -> dict[str, Any]:
     rt = ex.runtime
     snap: dict[str, Any] = dict(
         digest=ex.state_digest(),
-        last_plan_seq=ex.last_plan_seq, tick_count=ex.tick_count, nonce=ex._nonce,
-        faulted=sorted(ex.faulted), inject=sorted(ex.inject_fault.items()), biases=sorted(ex.biases),
-        next_handle=ex.next_handle, pending_shed=list(ex.pending_shed),
+        last_plan_seq=ex.counters.last_plan_seq, tick_count=ex.counters.tick_count, nonce=ex.counters.nonce,
+        faulted=sorted(ex.lanes.faulted), inject=sorted(ex.lanes.injected.items()), biases=sorted(ex.registry.biases),
+        next_handle=ex.registry.next_handle, pending_shed=list(ex.pending.shed),
         lanes={t: _lane_state(ln) for t, ln in ex.lanes.items()},
         cache=sorted(dataclasses.astuple(e) for e in ex.cache),
         mem=rt.mem_counters(),
         token_head=ex.rings.tokens.head, logits_head=ex.rings.logits.head,
-        tokens_emitted=ex.tokens_emitted, dead=ex.dead,
+        tokens_emitted=ex.counters.tokens_emitted, dead=ex.dead,
     )
     if isinstance(rt, FakeRuntime):
         snap["seqs"] = {s: rt.seq_tokens(s) for s in rt.live_seqs()}
@@ -79,7 +79,7 @@ def check_invariants(ex: Executor) -> None:
     assert len(set(seqs)) == len(seqs), "two owners of one sequence"
     if isinstance(rt, FakeRuntime):
         assert sorted(seqs) == rt.live_seqs()
-    assert not (set(ex.lanes) & ex.faulted), "a lane both live and faulted"
+    assert not (set(ex.lanes) & ex.lanes.faulted), "a lane both live and faulted"
     for tag, ln in ex.lanes.items():
         # Forward-once: the sequence holds the committed tokens less the pending one.
         held = len(ln.committed) - (ln.pending_input is not None)
@@ -113,8 +113,8 @@ def check_invariants(ex: Executor) -> None:
     for ls in ex.leases:
         assert ex.cache.get(ls.entry.eid) is ls.entry
         # (an expired lease is swept by the next check: contract §3 step 3)
-        assert ls.entry.tokens[:len(ls.prefix)] == ls.prefix and ls.expires >= ex.tick_count
-    assert ex.cache.host_bytes <= max(ex.host_cache_bytes, 0)
+        assert ls.entry.tokens[:len(ls.prefix)] == ls.prefix and ls.expires >= ex.counters.tick_count
+    assert ex.cache.host_bytes <= max(ex.cache.host_max_bytes, 0)
     assert ex.cache.unpinned_bytes == sum(e.bytes for e in ex.cache if e.pins == 0)  # (kept, not summed)
 
 

@@ -142,7 +142,7 @@ class Planner:
         tokens decode feeds: the held-back one and the replayed ones)."""
         for h, (prefix, _imported) in sorted(self.leases.items(), key=lambda kv: (not kv[1][1], kv[0])):
             ls = self.ex.leases.get(h)
-            if ls is None or ls.expires <= self.ex.tick_count or h in self.seeds_used:
+            if ls is None or ls.expires <= self.ex.counters.tick_count or h in self.seeds_used:
                 continue
             if tuple(prompt[:len(prefix)]) != prefix or (self.ex.desc.exact_only and
                                                          len(prefix) > len(prompt) - replay - 1):
@@ -476,7 +476,7 @@ class Planner:
                     assert streamed.get(e.lane_tag, []) == emitted(ex, e)
         # The planner's view and the executor's agree.
         assert {m.tag for m in self.live()} == set(ex.lanes)
-        assert {m.tag for m in self.lanes.values() if m.faulted} == ex.faulted
+        assert {m.tag for m in self.lanes.values() if m.faulted} == ex.lanes.faulted
         for m in self.live():
             lane = ex.lanes[m.tag]
             assert lane.prefilled == m.prefilled, (m.tag, lane.prefilled, m.prefilled)
@@ -518,12 +518,12 @@ class Planner:
                 break
             if self.tick(b).status == Status.OK:
                 break
-        assert not ex.lanes and not ex.faulted
+        assert not ex.lanes and not ex.lanes.faulted
         for ls in ex.leases:  # pinned entries stay through a clear
             assert self.op(op="RELEASE_SEED", handle=ls.handle).status == int(OpStatus.OK)
         done = ex.op({"op": "CACHE_CLEAR", "op_id": 99})
         assert done.status == 0
-        n = len(ex.pending_shed)
+        n = len(ex.pending.shed)
         r = self.tick(PlanBuilder(self.next_seq()))
         assert r.events.shed.evictions_performed == n
         mem = ex.runtime.mem_counters()

@@ -152,7 +152,7 @@ class TickMachine(RuleBasedStateMachine):
         done = ex.op({"op": "CACHE_CLEAR", "op_id": self.op_id})
         assert done.status == int(OpStatus.OK)
         assert all(e.pins for e in ex.cache.all())  # only what a lease holds stays
-        self.planner.pending_clear = len(ex.pending_shed)
+        self.planner.pending_clear = len(ex.pending.shed)
         if n:
             self.planner.stats["cache_clear"] += 1
 

@@ -21,7 +21,7 @@ from superfluid.testing.speculation import Cycler
 
 def serve(strategy, *, grant: int = 3, force: bool | None = True):
     ex = Executor(Cycler(period=6, vocab_size=48, max_seq_len=512, page=8, eos_rate=0.02))
-    ex.spec_gate.force = force
+    ex.registry.spec_gate.force = force
     planner = Planner(LocalClient(ex), decode_grant=grant, strategy=strategy, use_leases=False)
     ids = [planner.submit([1, 2, 3, 4, 5, 0, 1, 2], 40, stop_at_eos=False),
            planner.submit([7, 9, 11, 2, 3], 33, Sampling.GPU_SAMPLE, params=sampling_params(0.8, top_k=5),

@@ -211,7 +211,7 @@ def test_speculation_counters_and_the_gate_by_slot_and_lanes(block: WorkerMetric
     assert scraper.value("superfluid_worker_spec_accepted_total") == 5
     assert scraper.samples("superfluid_worker_spec_gate_state") == {}  # no figures yet: no series
 
-    # A gate as the executor keeps it (executor.spec_gate): slot 2 drafting at 1 lane,
+    # A gate as the executor keeps it (executor.registry.spec_gate): slot 2 drafting at 1 lane,
     # stopped at 8 (3-8 lanes share the bucket); the worker writes its snapshot.
     table = StrategyTable()
     table.install(1, "prompt_lookup", 4, 1, 2)

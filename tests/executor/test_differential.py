@@ -307,6 +307,6 @@ def test_prefill_of_more_lanes_than_max_batch(clean):
         assert r.ok and not r.events.faults, r.events.faults
     finally:
         retire = PlanBuilder(2)
-        for tag in list(ex.lanes) + sorted(ex.faulted):
+        for tag in list(ex.lanes) + sorted(ex.lanes.faulted):
             retire.retire(tag)
         assert ex.tick(retire.build()).ok

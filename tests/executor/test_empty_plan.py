@@ -121,7 +121,7 @@ def _states():
 
     def over_limit():
         ex, seq = cached_and_leased()
-        ex.cache_max_bytes = 0  # the cache must shrink: evictions to report
+        ex.cache.max_bytes = 0  # the cache must shrink: evictions to report
         assert ex.cache.resident_bytes > 0
         return ex, seq
 
@@ -129,7 +129,7 @@ def _states():
         ex = make_executor()
         admit_and_prefill(ex, 1, 5, list(range(1, 13)), decode=1)
         assert ex.tick(PlanBuilder(2).retire(5, publish_to_cache=True).build()).ok
-        assert ex.op({"op": "CACHE_CLEAR", "op_id": 3}).status == 0 and ex.pending_shed
+        assert ex.op({"op": "CACHE_CLEAR", "op_id": 3}).status == 0 and ex.pending.shed
         return ex, 3
 
     def dead():
@@ -147,7 +147,7 @@ def _general(ex, plan):
     try:
         v = ex.check(plan)
     except PlanReject as r:
-        ex.rejects += 1
+        ex.counters.rejects += 1
         return ex._refused(plan.plan_seq, r.status, r.field, r.message).events
     return ex.apply(v, ex.clock())
 
@@ -170,7 +170,7 @@ def test_tick_empty_leaves_what_check_and_apply_leave(state, offset):
     if state.__name__ == "cached_and_leased" and offset == 0:
         assert len(fast_ex.leases) == 0 and got.events.op_completions  # the sweep ran; the ops' answer went out
     assert fast_ex.state_digest() == slow_ex.state_digest()
-    assert fast_ex.rejects == slow_ex.rejects
+    assert fast_ex.counters.rejects == slow_ex.counters.rejects
 
 
 def test_tick_empty_declines_without_changing_anything():
@@ -180,7 +180,7 @@ def test_tick_empty_declines_without_changing_anything():
         if ex.tick_empty(seq, 1) is None:
             assert ex.state_digest() == before, state.__name__
         else:
-            assert ex.last_plan_seq == seq and ex.state_digest() != before
+            assert ex.counters.last_plan_seq == seq and ex.state_digest() != before
     ex, seq = _states()[0]()
     assert ex.tick_empty(seq, ex.desc.max_batch + 1) is None  # the budget rule: the general path rejects
     assert ex.tick(PlanBuilder(seq, max_decode_lanes=ex.desc.max_batch + 1).build()).status == Status.RejectBudget
@@ -211,7 +211,7 @@ def test_worker_answers_an_empty_plan_as_the_general_path(seg_name):
             encode_events_into(again, ev, session=0)
             assert bytes(again) == raw
             metrics[1].tick(decode_plan(_plan(seq)), ev)  # what the general path tells metrics
-        assert w.ex.last_plan_seq == 3 and w.ex.tick_count == 3
+        assert w.ex.counters.last_plan_seq == 3 and w.ex.counters.tick_count == 3
         assert list(metrics[0]._w) == list(metrics[1]._w)
         assert metrics[0]._w != [0] * len(metrics[0]._w)  # (negative control: something was counted)
     finally:

@@ -366,27 +366,27 @@ def _fields(kind: str) -> dict:
 
 
 def test_register_and_release_every_kind(ex):
-    assert ex.runtime.tokenizer_json is not None and ex.grammars.supported
+    assert ex.runtime.tokenizer_json is not None and ex.registry.grammars.supported
     handles = []
     for kind in KINDS:
         done = op(ex, op="REGISTER_GRAMMAR", kind=kind, **_fields(kind))
         assert (done.status, done.op) == (int(OpStatus.OK), int(OpKind.REGISTER_GRAMMAR)), error_of(done)
         assert done.handle > 0 and done.value >= 0  # value: compile microseconds
-        assert ex.grammars.get(done.handle).kind == kind
+        assert ex.registry.grammars.get(done.handle).kind == kind
         handles.append(done.handle)
-    assert len(set(handles)) == len(KINDS) and ex.grammars.handles() == sorted(handles)
+    assert len(set(handles)) == len(KINDS) and ex.registry.grammars.handles() == sorted(handles)
     bias = op(ex, op="REGISTER_LOGIT_BIAS", bias={1: 1.0})
     assert bias.handle not in handles  # one handle space
     for h in handles:
         done = op(ex, op="RELEASE_GRAMMAR", handle=h)
         assert (done.status, done.handle) == (int(OpStatus.OK), h)
         assert op(ex, op="RELEASE_GRAMMAR", handle=h).status == int(OpStatus.UnknownHandle)
-    assert len(ex.grammars) == 0
+    assert len(ex.registry.grammars) == 0
 
 
 def test_register_through_msgpack_bytes(ex):
     done = ex.op(msgpack.packb({"op": "REGISTER_GRAMMAR", "op_id": 3, "kind": "regex", "text": "[0-9]+"}))
-    assert done.status == int(OpStatus.OK) and done.op_id == 3 and done.handle in ex.grammars
+    assert done.status == int(OpStatus.OK) and done.op_id == 3 and done.handle in ex.registry.grammars
 
 
 @pytest.mark.parametrize("msg, says", [
@@ -401,11 +401,11 @@ def test_register_through_msgpack_bytes(ex):
     (dict(text="x"), "'kind' is missing"),
 ])
 def test_a_bad_register_is_bad_request_and_registers_nothing(ex, msg, says):
-    before = (ex.next_handle, ex.grammars.handles(), ex.state_digest())
+    before = (ex.registry.next_handle, ex.registry.grammars.handles(), ex.state_digest())
     done = op(ex, op="REGISTER_GRAMMAR", **msg)
     assert done.status == int(OpStatus.BadRequest) and done.handle == 0
     assert says in error_of(done)
-    assert before == (ex.next_handle, ex.grammars.handles(), ex.state_digest())
+    assert before == (ex.registry.next_handle, ex.registry.grammars.handles(), ex.state_digest())
 
 
 def test_a_huge_bad_grammar_gets_a_bounded_message(ex):
@@ -414,7 +414,7 @@ def test_a_huge_bad_grammar_gets_a_bounded_message(ex):
 
 
 def test_the_grammar_table_is_bounded(ex):
-    ex.grammars.max_grammars = 2
+    ex.registry.grammars.max_grammars = 2
     for _ in range(2):
         assert op(ex, op="REGISTER_GRAMMAR", kind="regex", text="a").status == int(OpStatus.OK)
     done = op(ex, op="REGISTER_GRAMMAR", kind="regex", text="a")
@@ -429,10 +429,10 @@ def test_release_checks_its_handle(ex):
 
 def test_release_while_borrowed_unregisters_and_the_lane_keeps_its_matcher(ex):
     h = op(ex, op="REGISTER_GRAMMAR", kind="regex", text="ab").handle
-    m = ex.grammars.cursor(h, [ord("a")])
-    ex.grammars.borrow(h, 1)
+    m = ex.registry.grammars.cursor(h, [ord("a")])
+    ex.registry.grammars.borrow(h, 1)
     assert op(ex, op="RELEASE_GRAMMAR", handle=h).status == int(OpStatus.OK)
-    assert h not in ex.grammars and not ex.grammars.available(h)
+    assert h not in ex.registry.grammars and not ex.registry.grammars.available(h)
     assert m.accept(ord("b")) and m.is_complete()
 
 
@@ -440,7 +440,7 @@ def test_registering_changes_the_state_digest(ex):
     d0 = ex.state_digest()
     h = op(ex, op="REGISTER_GRAMMAR", kind="regex", text="a").handle
     d1 = ex.state_digest()
-    ex.grammars.borrow(h, 4)
+    ex.registry.grammars.borrow(h, 4)
     assert len({d0, d1, ex.state_digest()}) == 3
 
 

@@ -61,7 +61,7 @@ def test_two_hundred_sampled_json_lanes_all_validate_and_without_the_grammar_mos
     for r in got:
         jsonschema.validate(json.loads(text(r.tokens)), SCHEMA)
     assert len({tuple(r.tokens) for r in got}) > 50  # sampled, not one answer 200 times
-    assert not ex.grammars.handles()  # every request's grammar released once it was done
+    assert not ex.registry.grammars.handles()  # every request's grammar released once it was done
     free = run(executor(model_dir), [{**r, "grammar": None} for r in reqs[:50]])
     valid = 0
     for r in free:
@@ -124,7 +124,8 @@ def test_a_matcher_in_error_faults_only_its_lane(model_dir):
     r = ex.tick(b.build())
     assert [(f.lane_tag, f.code) for f in r.events.faults] == [(1, int(Fault.GRAMMAR_OVERFLOW))]
     assert emit_of(r, 2).n_tokens == 2 and 1 not in ex.lanes
-    assert ex.grammars.available(h) and not ex.grammars.available(h2)  # the fault gave its grammar back
+    grammars = ex.registry.grammars
+    assert grammars.available(h) and not grammars.available(h2)  # the fault gave its grammar back
 
 
 def test_grammar_admit_rules_reject_and_change_nothing(model_dir):
@@ -132,7 +133,7 @@ def test_grammar_admit_rules_reject_and_change_nothing(model_dir):
     h = ex.op({"op": "REGISTER_GRAMMAR", "op_id": 1, "kind": "regex", "text": "ab+c"}).handle
 
     def admit(tag, tokens=(97,), **kw):
-        return PlanBuilder(ex.last_plan_seq + 1 if ex.last_plan_seq is not None else 1,
+        return PlanBuilder(ex.counters.last_plan_seq + 1 if ex.counters.last_plan_seq is not None else 1,
                            prefill_token_budget=BIG_BUDGET).admit(tag, put(ex, list(tokens)), **kw)
 
     def refused(b, field):
@@ -152,4 +153,4 @@ def test_grammar_admit_rules_reject_and_change_nothing(model_dir):
     refused(admit(2, grammar_handle=h), "admits[0].grammar_handle")
     assert_unchanged(before, snapshot(ex))
     r = ex.tick(admit(2, grammar_handle=h).retire(1).prefill(2, 0, 1).build())
-    assert r.status == Status.OK and ex.grammars.borrower(h) == 2
+    assert r.status == Status.OK and ex.registry.grammars.borrower(h) == 2

@@ -45,12 +45,12 @@ def scene(**ex_kw):
     """Lanes in every state, in two sessions, and one cache entry: built the
     same way on every call. Returns (executor, the next plan_seq)."""
     ex = make_executor(fake(eos_rate=0.0, max_seq_len=16), fault_injection=True, **ex_kw)
-    ex.session = 1
+    ex.lanes.session = 1
     admit_and_prefill(ex, 1, 5, P_PUB, decode=2)
     assert ex.tick(PlanBuilder(2).retire(5, publish_to_cache=True).build()).ok
     admit_and_prefill(ex, 3, 10, P_DEC, decode=3)  # decoding, its last token held back (forward-once)
     admit_and_prefill(ex, 4, 60, P_DONE, decode=8)  # finished (LENGTH)
-    ex.session = 2
+    ex.lanes.session = 2
     r = ex.tick(PlanBuilder(5, prefill_token_budget=BIG_BUDGET).admit(30, put(ex, P_PRE)).prefill(30, 0, 3)
                 .admit(40, put(ex, P_FLT)).prefill(40, 0, len(P_FLT)).decode(40, 1).build())
     assert r.ok, r.message
@@ -124,9 +124,9 @@ def test_an_empty_executor_lists_nothing(ex):
 
 
 def test_a_lane_records_the_session_of_its_admit(ex):
-    ex.session = 77
+    ex.lanes.session = 77
     admit_and_prefill(ex, 1, 3, [1, 2, 3])
-    ex.session = 78  # a later session does not move it
+    ex.lanes.session = 78  # a later session does not move it
     assert ex.lanes[3].session == 77
     assert body(op(ex, op="LIST_LANES"))["lanes"][0]["session"] == 77
 
@@ -140,7 +140,7 @@ def test_retire_lanes_by_tags():
     done = op(ex, op="RETIRE_LANES", tags=[60, 40, 10])
     assert (done.status, done.op, done.value) == (int(OpStatus.OK), int(OpKind.RETIRE_LANES), 3)
     assert body(done) == {"retired": [60, 40, 10]}
-    assert set(ex.lanes) == {30, 50} and not ex.faulted
+    assert set(ex.lanes) == {30, 50} and not ex.lanes.faulted
     assert ex.runtime.mem_counters().seqs == seqs - 2  # the faulted lane held none
     check_invariants(ex)
     assert [ln["tag"] for ln in body(op(ex, op="LIST_LANES"))["lanes"]] == [30, 50]
@@ -157,7 +157,7 @@ def test_retire_all_lanes():
     entries = len(ex.cache)
     done = op(ex, op="RETIRE_LANES", all=True)
     assert done.status == int(OpStatus.OK) and done.value == 5 and body(done) == {"retired": TAGS}
-    assert not ex.lanes and not ex.faulted and len(ex.cache) == entries
+    assert not ex.lanes and not ex.lanes.faulted and len(ex.cache) == entries
     assert ex.runtime.mem_counters().seqs == entries
     check_invariants(ex)
     done = op(ex, op="RETIRE_LANES", all=True)
@@ -172,7 +172,7 @@ def test_retire_all_of_a_session(session, left):
     assert done.status == int(OpStatus.OK)
     gone = [t for t in TAGS if t not in left]
     assert done.value == len(gone) and body(done) == {"retired": gone}
-    assert sorted(set(ex.lanes) | ex.faulted) == left
+    assert sorted(set(ex.lanes) | ex.lanes.faulted) == left
     check_invariants(ex)
 
 
@@ -339,7 +339,7 @@ def test_pending_completions_never_make_a_plan_reject_budget():
     ex.event_capacity = 16 << 10
     for i in range(300):
         ex.op({"op": "DESCRIBE", "op_id": i}, queue=True)
-    assert sum(len(c.payload) for c in ex.completions) > 4 * ex.event_capacity
+    assert sum(len(c.payload) for c in ex.pending.completions) > 4 * ex.event_capacity
     r = ex.tick(PlanBuilder(2).decode(1, 2).build())
     assert r.ok, r.message
     assert len(r.events.op_completions) == 300 and emit_of(r, 1).n_tokens == 2
@@ -357,4 +357,4 @@ def test_inject_fault_then_list_then_retire_the_faulted_lane(ex):
     assert body(op(ex, op="LIST_LANES"))["lanes"] == [
         dict(tag=7, prompt=3, generated=1, state="faulted", session=0)]
     assert op(ex, op="RETIRE_LANES", tags=[7], publish=True).value == 1  # a faulted lane publishes nothing
-    assert not ex.faulted and not ex.cache and ex.runtime.mem_counters().seqs == 0
+    assert not ex.lanes.faulted and not ex.cache and ex.runtime.mem_counters().seqs == 0

@@ -241,17 +241,17 @@ def test_inject_fault(ex):
     assert r.ok and r.events.tick_status == int(TickStatus.LANE_ERRORS)
     assert [(f.lane_tag, f.code) for f in r.events.faults] == [(1, int(Fault.INJECTED))]
     assert [e.lane_tag for e in r.events.emits] == [2] and emit_of(r, 2).n_tokens == 3
-    assert 1 in ex.faulted and 1 not in ex.lanes
+    assert 1 in ex.lanes.faulted and 1 not in ex.lanes
     check_invariants(ex)
     r = ex.tick(PlanBuilder(5).decode(1).build())
     assert r.status == Status.RejectUnknownLane
     assert ex.tick(PlanBuilder(5).retire(1).build()).ok
-    assert not ex.faulted
+    assert not ex.lanes.faulted
     # the default code is INJECTED; a retire drops a pending injection
     assert op(ex, op="INJECT_FAULT", lane_tag=2).status == int(OpStatus.OK)
-    assert ex.inject_fault == {2: int(Fault.INJECTED)}
+    assert ex.lanes.injected == {2: int(Fault.INJECTED)}
     assert ex.tick(PlanBuilder(6).retire(2).build()).ok
-    assert not ex.inject_fault
+    assert not ex.lanes.injected
 
 
 # ---------------------------------------------------------------- CACHE_CLEAR
@@ -282,7 +282,7 @@ def test_cache_clear_frees_entries_and_the_next_tick_reports_them(ex):
     assert r.events.tick_status == int(TickStatus.OK) and not r.events.shed.entries
     # an empty cache clears to nothing
     done = op(ex, op="CACHE_CLEAR")
-    assert done.status == int(OpStatus.OK) and done.value == 0 and not ex.pending_shed
+    assert done.status == int(OpStatus.OK) and done.value == 0 and not ex.pending.shed
 
 
 def test_cache_clear_report_survives_a_rejected_tick(ex):

@@ -14,7 +14,7 @@ PROMPT = 4 * 256
 def _prefill_steps(*, latency: bool, secs_per_token: float | None) -> tuple[int, list[int]]:
     rt = fake(max_seq_len=2048, prefill_step_tokens=PROMPT, eos_rate=0.0)
     ex = make_executor(rt)
-    ex.prefill_secs_per_token = secs_per_token
+    ex.counters.prefill_secs_per_token = secs_per_token
     ex.rings.latency_flag = latency
     tokens = [i % 60 for i in range(PROMPT)]
     rt.reset_stats()
@@ -48,11 +48,11 @@ def test_latency_steps_never_go_below_the_unit_nor_above_prefill_step_tokens():
 def test_the_prefill_rate_is_measured():
     rt = fake(max_seq_len=2048, eos_rate=0.0)
     ex = make_executor(rt)
-    assert ex.prefill_secs_per_token is None
+    assert ex.counters.prefill_secs_per_token is None
     ex.tick(PlanBuilder(1, prefill_token_budget=BIG_BUDGET).admit(1, put(ex, [1] * 64)).prefill(1, 0, 64).build())
-    assert ex.prefill_secs_per_token is None  # fewer tokens than a unit: no sample
+    assert ex.counters.prefill_secs_per_token is None  # fewer tokens than a unit: no sample
     ex.tick(PlanBuilder(2, prefill_token_budget=BIG_BUDGET).admit(2, put(ex, [1] * 300)).prefill(2, 0, 300).build())
-    assert ex.prefill_secs_per_token is not None and ex.prefill_secs_per_token > 0
+    assert ex.counters.prefill_secs_per_token is not None and ex.counters.prefill_secs_per_token > 0
 
 
 def _decode(grant: int, *, max_seq_len: int = 64, prompt: int = 4, ignore_eos: bool = False,

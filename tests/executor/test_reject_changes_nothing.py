@@ -82,8 +82,8 @@ def mutate(p: Planner, b: PlanBuilder) -> tuple[str, Any, Status | None]:
             b.max_evict_bytes, b.protected_quota_bytes = p.i(0, 1 << 40), p.i(0, 1 << 40)
         return kind, b.build(), None
     if kind == "stale_seq":
-        b.plan_seq = p.i(0, ex.last_plan_seq) if ex.last_plan_seq is not None else seq
-        return kind, b.build(), IC if ex.last_plan_seq is not None else None
+        b.plan_seq = p.i(0, ex.counters.last_plan_seq) if ex.counters.last_plan_seq is not None else seq
+        return kind, b.build(), IC if ex.counters.last_plan_seq is not None else None
     if kind == "unknown_decode":
         b.decodes.append(b.decodes[0]._replace(lane_tag=10**9) if b.decodes else
                          PlanBuilder(0).decode(10**9).decodes[0])
@@ -172,7 +172,7 @@ def mutate(p: Planner, b: PlanBuilder) -> tuple[str, Any, Status | None]:
             return kind, b.build(), IC
         # a lane admitted in this plan: retires run first, so its tag is unknown then,
         # unless it names a faulted lane (retiring that one and re-admitting its tag is valid)
-        return kind, b.build(), None if tag in ex.faulted else UNKNOWN
+        return kind, b.build(), None if tag in ex.lanes.faulted else UNKNOWN
     if kind == "commit_nonce":
         i = p.i(0, len(b.commits) - 1)
         b.commits[i] = b.commits[i]._replace(logits_nonce=b.commits[i].logits_nonce ^ (1 << p.i(0, 63)))

@@ -149,7 +149,7 @@ def test_seeded_lane_equals_the_unseeded_one(rt_kw, path, sampling):
         assert took[0].lane_tag == tag and took[0].kind == int(ShedKind.CACHE_EVICTION)
         assert len(d.ex.cache) == 0
     assert emitted(d.ex, emit_of(r, tag)) == want
-    assert d.ex.seeded_tokens == 20
+    assert d.ex.counters.seeded_tokens == 20
     check_invariants(d.ex)
 
 

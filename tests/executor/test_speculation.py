@@ -69,7 +69,7 @@ def test_install_strategy_refuses_a_bad_field_by_name(change, field):
     done = op(ex, **msg)
     assert done.status == int(OpStatus.BadRequest) and done.op == int(OpKind.INSTALL_STRATEGY)
     assert f"'{field}'" in done.payload.decode("utf-8", "replace"), done.payload
-    assert snapshot(ex) == before and not ex.strategies.slots
+    assert snapshot(ex) == before and not ex.registry.strategies.slots
 
 
 @pytest.mark.parametrize("rt", [fake(exact_only=True), type("NoRows", (FakeRuntime,), {
@@ -78,12 +78,12 @@ def test_install_strategy_is_unsupported_where_drafts_cannot_be_verified(rt):
     ex = make_executor(rt)
     done = op(ex, **GOOD)
     assert done.status == int(OpStatus.Unsupported), done
-    assert not ex.strategies.slots
+    assert not ex.registry.strategies.slots
 
 
 def test_a_reinstalled_slot_has_a_new_cert_and_old_lanes_keep_theirs():
     ex = make_executor(Cycler(vocab_size=16, max_seq_len=64, page=4, eos_rate=0.0))
-    ex.spec_gate.force = True
+    ex.registry.spec_gate.force = True
     first = install(ex, 1, max_draft=2)
     assert first == 1 and install(ex, 2) == 2
     d = Driver(ex)
@@ -112,7 +112,7 @@ def test_who_drafts():
     """HOST lanes, logit-bias lanes and logprobs lanes are admitted with the
     slot but get cert 0 and never draft; the others draft."""
     ex = make_executor(Cycler(vocab_size=16, max_seq_len=64, page=4, eos_rate=0.0))
-    ex.spec_gate.force = True
+    ex.registry.spec_gate.force = True
     cert = install(ex)
     bias = ex.op({"op": "REGISTER_LOGIT_BIAS", "op_id": 1, "bias": {3: 0.5}}).handle
     prompt = put(ex, [0, 1, 2, 3, 4, 0, 1, 2])
@@ -194,7 +194,7 @@ def test_a_drafting_lane_decodes_the_tokens_it_decodes_without_drafts():
                   seed=data.draw(st.integers(0, 3)), engine_sampling=engine, engine_draws=engine)
         rt_kw = dict(cycler=cycler, kw=kw)
         ex = make_executor(type_of(rt_kw)(**kw), clock=clock())
-        ex.spec_gate.force = data.draw(st.sampled_from([True, True, None]))
+        ex.registry.spec_gate.force = data.draw(st.sampled_from([True, True, None]))
         install(ex, 1, max_draft=max_draft, ngram_min=ngram[0], ngram_max=ngram[0] + ngram[1])
         install(ex, 2, max_draft=3, ngram_min=2, ngram_max=2)
         reqs = data.draw(requests(vocab, max_len))
@@ -229,7 +229,7 @@ def test_a_drafting_lane_decodes_the_tokens_it_decodes_without_drafts():
 
 def run_cycler(force, *, slot=1, n=60, grant=6, over=0, sampling=GREEDY, params=None, **kw):
     ex = make_executor(Cycler(vocab_size=16, max_seq_len=128, page=4, eos_rate=0.0, **kw), clock=clock())
-    ex.spec_gate.force = force
+    ex.registry.spec_gate.force = force
     install(ex, 1, max_draft=8, ngram_min=1, ngram_max=3)
     d = Driver(ex)
     d.admit({1: Req([3, 4, 0, 1, 2, 3, 4, 0, 1], sampling, params or sampling_params(ignore_eos=True), 11, slot)})
@@ -247,7 +247,7 @@ def test_drafts_are_taken_where_the_continuation_copies_its_context():
     assert max(d.counts[1]) > 6  # the overshoot taken
     plain, _ = run_cycler(False, slot=0, over=4)
     assert d.out[1][:60] == plain.out[1][:60]
-    snap = ex.spec_gate.snapshot()["strategies"][0]
+    snap = ex.registry.spec_gate.snapshot()["strategies"][0]
     assert (snap["proposed"], snap["accepted"]) == (proposed, accepted)
 
 
@@ -301,7 +301,7 @@ def test_drafts_take_only_cells_no_lane_was_promised():
     cells there are no drafts at all."""
     def run(cells):
         ex = make_executor(Cycler(vocab_size=16, max_seq_len=64, page=4, eos_rate=0.0, cells_total=cells))
-        ex.spec_gate.force = True
+        ex.registry.spec_gate.force = True
         install(ex, 1, max_draft=16)
         d = Driver(ex)
         d.admit({1: Req([0, 1, 2, 3, 4, 0, 1, 2], slot=1), 2: Req([5, 6, 7, 8], slot=0)})
@@ -316,7 +316,7 @@ def test_drafts_take_only_cells_no_lane_was_promised():
 
 def test_a_full_pool_means_no_drafts_and_no_replan():
     ex = make_executor(Cycler(vocab_size=16, max_seq_len=64, page=4, eos_rate=0.0, cells_total=8))
-    ex.spec_gate.force = True
+    ex.registry.spec_gate.force = True
     install(ex)
     d = Driver(ex)
     d.admit({1: Req([0, 1, 2, 3, 4, 0, 1, 2], slot=1)})  # 7 cells held: both pages
@@ -328,7 +328,7 @@ def test_a_verification_the_pool_refuses_is_decoded_without_drafts():
     runs = []
     for refuse in (False, True):
         ex = make_executor(Cycler(vocab_size=16, max_seq_len=64, page=4, eos_rate=0.0))
-        ex.spec_gate.force = True
+        ex.registry.spec_gate.force = True
         install(ex, max_draft=2)
         d = Driver(ex)
         d.admit({1: Req([0, 1, 2, 3, 4, 0, 1, 2], slot=1)})
@@ -360,7 +360,7 @@ def test_length_and_eos_finish_a_drafting_lane_where_they_finish_a_plain_one():
         outs = []
         for force, slot in ((True, 1), (False, 0)):
             ex = make_executor(Cycler(vocab_size=16, page=4, **{"eos_rate": 0.0, **kw}))
-            ex.spec_gate.force = force
+            ex.registry.spec_gate.force = force
             install(ex)
             d = Driver(ex)
             d.admit({1: Req([0, 1, 2, 3, 0, 1, 2], params=sampling_params(), slot=slot)})

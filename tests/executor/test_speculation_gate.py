@@ -94,7 +94,7 @@ def run(step_ns: int, token_ns: int, *, hits: bool, ticks: int = 40):
     d.admit({1: Req(list(range(5)) * 3, slot=1), 2: Req(list(range(9))[::-1] * 2, slot=1)})
     for _ in range(ticks):
         d.decode({1: (8, 0), 2: (8, 0)})
-    return d, ex.spec_gate.snapshot()["strategies"][0]
+    return d, ex.registry.spec_gate.snapshot()["strategies"][0]
 
 
 def test_on_the_executor_the_gate_follows_what_a_step_and_a_token_cost():
@@ -117,7 +117,7 @@ def test_a_gate_decision_never_changes_a_token():
         rt = Cycler(period=7, vocab_size=32, max_seq_len=512, page=8, eos_rate=0.0)
         ex = make_executor(rt, clock=cost_clock(rt, 1000, 1000))
         install(ex, 1, max_draft=5)
-        ex.spec_gate.force = force
+        ex.registry.spec_gate.force = force
         d = Driver(ex)
         d.admit({1: Req([1, 2, 3, 1, 2, 3], sampling=1, base=9, slot=1)})
         for _ in range(12):

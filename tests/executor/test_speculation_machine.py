@@ -63,19 +63,19 @@ class SpecMachine(TickMachine):
         self.op_id = 0
         for slot in (1, 2):
             assert ex.op(strategy(self.planner, slot)).status == int(OpStatus.OK)
-        ex.spec_gate.force = True
+        ex.registry.spec_gate.force = True
 
     @rule(data=st.data())
     def reinstall(self, data):
         p = self.planner
         p.draw = data.draw
         done = self.ex.op(strategy(p, p.pick([1, 2])))
-        assert done.status == int(OpStatus.OK) and done.value == self.ex.strategies.next_cert - 1
+        assert done.status == int(OpStatus.OK) and done.value == self.ex.registry.strategies.next_cert - 1
         p.stats["reinstall"] += 1
 
     @rule(force=st.sampled_from([True, None, False]))
     def gate(self, force):
-        self.ex.spec_gate.force = force
+        self.ex.registry.spec_gate.force = force
 
     def teardown(self):
         if hasattr(self, "planner"):

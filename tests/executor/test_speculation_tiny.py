@@ -45,7 +45,7 @@ def decode(model_dir, reqs: dict[int, Req], grants: list[tuple[int, int]], *, ba
     ex = Executor(rt, small_rings(), clock=clock())
     install(ex, 1, max_draft=6, ngram_min=1, ngram_max=3)
     install(ex, 2, max_draft=3, ngram_min=2, ngram_max=4)
-    ex.spec_gate.force = drafting
+    ex.registry.spec_gate.force = drafting
     d = Driver(ex)
     d.admit({t: r if drafting else Req(r.prompt, r.sampling, r.params, r.base, 0) for t, r in reqs.items()},
             determinism=SPI)

@@ -424,7 +424,7 @@ def test_tick_status_lane_errors_wins_over_shed(ex):
     assert r.events.tick_status == int(TickStatus.LANE_ERRORS)
     assert [(f.lane_tag, f.code) for f in r.events.faults] == [(1, int(Fault.INTERNAL))]
     assert r.events.shed.prefill_chunks_dropped == 1
-    assert 1 not in ex.lanes and 1 in ex.faulted and 2 in ex.lanes
+    assert 1 not in ex.lanes and 1 in ex.lanes.faulted and 2 in ex.lanes
     check_invariants(ex)
 
 
@@ -435,7 +435,7 @@ def test_a_fault_faults_exactly_the_lanes_of_its_step(ex):
     r = ex.tick(P(4, max_decode_lanes=2).decode(1, 3).decode(2, 3).build())
     # one decode step carries lanes 1 and 2: both fault; lane 3, not decoded, goes on
     assert sorted(f.lane_tag for f in r.events.faults) == [1, 2]
-    assert set(ex.lanes) == {3} and ex.faulted == {1, 2}
+    assert set(ex.lanes) == {3} and ex.lanes.faulted == {1, 2}
     assert not r.events.emits
     check_invariants(ex)
 
@@ -464,7 +464,7 @@ def test_a_runtime_error_freeing_a_retired_lane_does_not_escape(ex):
     ex.runtime.inject_capacity_fault(on="free")
     r = ex.tick(P(2).retire(1).build())
     assert r.status == Status.OK
-    assert not ex.lanes and not ex.faulted
+    assert not ex.lanes and not ex.lanes.faulted
 
 
 def test_an_emit_that_does_not_fit_the_token_ring_faults_its_lane():
@@ -473,7 +473,7 @@ def test_an_emit_that_does_not_fit_the_token_ring_faults_its_lane():
     r = ex.tick(P(2).decode(1, 6).build())
     assert r.ok and r.events.tick_status == int(TickStatus.LANE_ERRORS)
     assert [(f.lane_tag, f.code) for f in r.events.faults] == [(1, int(Fault.REF_SPAN_OOB))]
-    assert not r.events.emits and ex.faulted == {1}
+    assert not r.events.emits and ex.lanes.faulted == {1}
     check_invariants(ex)
 
 
@@ -491,11 +491,11 @@ def test_a_faulted_tag_can_be_readmitted(ex):
         admit_and_prefill(ex, seq0, tag, [1, 2])
         ex.runtime.inject_fault(ex.lanes[tag].seq)
         assert ex.tick(P(seq0 + 1).decode(tag).build()).events.faults
-        assert tag in ex.faulted
+        assert tag in ex.lanes.faulted
     r = ex.tick(P(20).admit(1, put(ex, [5, 6, 7])).prefill(1, 0, 3).decode(1, 2).build())
-    assert r.ok and emit_of(r, 1).n_tokens == 2 and 1 not in ex.faulted
+    assert r.ok and emit_of(r, 1).n_tokens == 2 and 1 not in ex.lanes.faulted
     r = ex.tick(P(21).retire(2).admit(2, put(ex, [5, 6, 7])).build())
-    assert r.ok and 2 in ex.lanes and not ex.faulted
+    assert r.ok and 2 in ex.lanes and not ex.lanes.faulted
     check_invariants(ex)
 
 

@@ -15,7 +15,7 @@ from superfluid.testing.heads_up import woken_by
 
 def _counting(ex: Executor) -> list[int]:
     calls: list[int] = []
-    ex.steps_done = lambda: calls.append(ex.tick_count)
+    ex.steps_done = lambda: calls.append(ex.counters.tick_count)
     return calls
 
 
@@ -24,11 +24,11 @@ def test_once_per_tick_that_ran_and_before_its_events():
     calls = _counting(ex)
     emitted_then: list[int] = []
     hook = ex.steps_done
-    ex.steps_done = lambda: (hook(), emitted_then.append(ex.tokens_emitted))
+    ex.steps_done = lambda: (hook(), emitted_then.append(ex.counters.tokens_emitted))
     admit_and_prefill(ex, 1, 5, [1, 2, 3, 4], decode=3)
     assert calls == [1]
     # The events (which count the emitted tokens) are built after the hook.
-    assert emitted_then == [0] and ex.tokens_emitted == 3
+    assert emitted_then == [0] and ex.counters.tokens_emitted == 3
     r = ex.tick(PlanBuilder(2).decode(5, 2).build())
     assert r.status == Status.OK and calls == [1, 2]
     r = ex.tick(PlanBuilder(3).retire(5).build())  # no steps, still a tick that changed state

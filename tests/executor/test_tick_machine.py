@@ -119,7 +119,7 @@ def test_a_publish_whose_last_feed_faults_frees_the_lane():
     admit_and_prefill(ex, 1, 1, list(range(1, 10)), decode=3)
     ex.runtime.inject_fault(ex.lanes[1].seq)
     r = ex.tick(PlanBuilder(2).retire(1, publish_to_cache=True).build())
-    assert r.ok and not r.events.faults and not ex.cache and not ex.faulted
+    assert r.ok and not r.events.faults and not ex.cache and not ex.lanes.faulted
     assert ex.runtime.mem_counters().seqs == 0
 
 
