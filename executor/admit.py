@@ -4,6 +4,8 @@ by the path the memory check chose (seeds.py says what each path does).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from superfluid.abi import Determinism, ParamFlag, Sampling, ShedReason
 from superfluid.abi.records import AdmitResult
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
@@ -13,6 +15,10 @@ from superfluid.executor.decode import lane_fault_code
 from superfluid.executor.lanes import Lane
 from superfluid.executor.seeds import SeedUse
 from superfluid.executor.speculation import LaneSpec, drafts
+
+if TYPE_CHECKING:
+    from superfluid.engine.runtime import Runtime
+    from superfluid.executor.executor import Executor
 
 _GREEDY, _HOST = int(Sampling.GPU_GREEDY), int(Sampling.HOST)
 _IGNORE_EOS = int(ParamFlag.IGNORE_EOS)
@@ -28,6 +34,9 @@ def grant(asked: int, holds: int) -> int:
 
 class AdmitPhase:
     """The admission phases of a Tick (tick.py holds the rest)."""
+
+    ex: Executor  # (set by Tick)
+    rt: Runtime
 
     def takeovers(self) -> None:
         """Seeds that take their entry's own sequence, cut to the seed."""

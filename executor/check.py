@@ -8,6 +8,7 @@ learned travels to apply() in a Verdict.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from superfluid.abi import Determinism, PlanFlag, RingId, Sampling, Status, codec, ffi
 from superfluid.abi.plan_codec import PlanReject
@@ -16,6 +17,10 @@ from superfluid.executor.cache import CacheEntry
 from superfluid.executor.memory import check_memory
 from superfluid.executor.seeds import SeedUse, is_bare
 from superfluid.rings.errors import RefError
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
+    from superfluid.executor.grammar import Matcher
 
 _SIZE = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
                                      "LaneLogprob")}
@@ -43,7 +48,7 @@ def reject(status: Status, field: str, message: str) -> PlanReject:
     return PlanReject(status, field, message)
 
 
-def check(ex, plan: TickPlan) -> Verdict:
+def check(ex: Executor, plan: TickPlan) -> Verdict:
     """Every check of contract §3, in order. Raises PlanReject."""
     desc = ex.desc
     if ex.counters.last_plan_seq is not None and plan.plan_seq <= ex.counters.last_plan_seq:
@@ -79,7 +84,7 @@ def admit_of(plan: TickPlan, tag: int) -> LaneAdmit | None:
     return None
 
 
-def _admits(ex, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], dict[int, SeedUse]]:
+def _admits(ex: Executor, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], dict[int, SeedUse]]:
     desc = ex.desc
     prompts: dict[int, list[int]] = {}
     seeds: dict[int, SeedUse] = {}
@@ -127,7 +132,7 @@ def _admits(ex, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], di
     return prompts, seeds
 
 
-def _grammar(ex, plan: TickPlan, a: LaneAdmit, prompt, seen: dict[int, int], i: int, f: str):
+def _grammar(ex: Executor, plan: TickPlan, a: LaneAdmit, prompt, seen: dict[int, int], i: int, f: str) -> Matcher:
     """Step 4's grammar rules, in order; the cursor that replayed the prompt's tail."""
     h = a.grammar_handle
     reg = ex.registry.grammars
@@ -155,7 +160,7 @@ def _grammar(ex, plan: TickPlan, a: LaneAdmit, prompt, seen: dict[int, int], i: 
     return cursor
 
 
-def _seed_use(ex, a: LaneAdmit, prompt: list[int], f: str) -> SeedUse:
+def _seed_use(ex: Executor, a: LaneAdmit, prompt: list[int], f: str) -> SeedUse:
     """The StaleSeed rules of step 4, in order; the use the lease makes."""
     h = a.seed_handle
     lease = ex.leases.get(h)
@@ -197,7 +202,7 @@ def _class_name(c: int) -> str:
         return str(c)
 
 
-def _commits(ex, plan: TickPlan) -> None:
+def _commits(ex: Executor, plan: TickPlan) -> None:
     retiring = {r.lane_tag for r in plan.retires}
     for i, c in enumerate(plan.commits):
         f = f"commits[{i}]"
@@ -226,7 +231,7 @@ def admitted_span(a: LaneAdmit, prompt: list[int], use: SeedUse | None) -> tuple
     return max(len(prompt) - a.decode_replay, n), n
 
 
-def _prefills(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int, SeedUse]) -> dict[int, int]:
+def _prefills(ex: Executor, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int, SeedUse]) -> dict[int, int]:
     """Prompt tokens each prefilled lane will have taken after this tick."""
     reached: dict[int, int] = {}
     budget = plan.prefill_token_budget
@@ -255,7 +260,7 @@ def _prefills(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int
     return reached
 
 
-def _decodes(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int, SeedUse],
+def _decodes(ex: Executor, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int, SeedUse],
              reached: dict[int, int]) -> dict[int, int]:
     """Decode rounds each lane can run (capped by its room to max_seq_len)."""
     committing = {c.lane_tag for c in plan.commits}
@@ -302,19 +307,19 @@ def _decodes(ex, plan: TickPlan, prompts: dict[int, list[int]], seeds: dict[int,
     return rounds
 
 
-def retiring_live(ex, plan: TickPlan) -> set[int]:
+def retiring_live(ex: Executor, plan: TickPlan) -> set[int]:
     # A retired faulted tag may be re-admitted, prefilled and decoded in
     # the same plan (retires run first); only a live lane's retire clashes.
     return {r.lane_tag for r in plan.retires if r.lane_tag in ex.lanes}
 
 
-def _retires(ex, plan: TickPlan) -> None:
+def _retires(ex: Executor, plan: TickPlan) -> None:
     for i, r in enumerate(plan.retires):
         if r.lane_tag not in ex.lanes and r.lane_tag not in ex.lanes.faulted:
             raise reject(Status.RejectUnknownLane, f"retires[{i}].lane_tag", f"no live or faulted lane {r.lane_tag}")
 
 
-def _events_fit(ex, plan: TickPlan) -> None:
+def _events_fit(ex: Executor, plan: TickPlan) -> None:
     """An applied plan cannot be taken back, so its events must fit their
     slot: bound them from above before anything moves. Pending op
     completions do not count: the worker carries those that do not fit into
@@ -335,11 +340,11 @@ def _events_fit(ex, plan: TickPlan) -> None:
                      f"its events could take {size} bytes, the event slot holds {ex.event_capacity}")
 
 
-def _empty_events_bound(ex) -> int:
+def _empty_events_bound(ex: Executor) -> int:
     # Every cache entry's eviction at most once, and the evictions ops made.
     return _EVENTS_BASE + (len(ex.cache.entries) + len(ex.pending.shed)) * _SHED
 
 
-def empty_events_fit(ex) -> bool:
+def empty_events_fit(ex: Executor) -> bool:
     """Whether a plan with no lists passes _events_fit."""
     return ex.event_capacity is None or _empty_events_bound(ex) <= ex.event_capacity

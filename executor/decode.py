@@ -7,6 +7,8 @@ rounds (a draft verified in the same feed) are speculation_decode.py's.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from superfluid.abi import Fault, Finish, Sampling, Status, TickStatus
@@ -32,6 +34,10 @@ from superfluid.executor import host_sampling as hs
 from superfluid.executor.lanes import Lane, PendingRow
 from superfluid.rings.errors import RefError
 
+if TYPE_CHECKING:
+    from superfluid.engine.runtime import Runtime
+    from superfluid.executor.executor import Executor
+
 _HOST = int(Sampling.HOST)
 _OK, _TICK_OK, _TICK_SHED, _TICK_LANE_ERRORS = int(Status.OK), int(TickStatus.OK), int(TickStatus.SHED), \
     int(TickStatus.LANE_ERRORS)
@@ -56,6 +62,9 @@ def lane_fault_code(e: RuntimeFailure) -> int | None:
 
 class DecodePhase:
     """The decode and events phases of a Tick (tick.py holds the rest)."""
+
+    ex: Executor  # (set by Tick)
+    rt: Runtime
 
     # ----------------------------------------------------------- decode
 

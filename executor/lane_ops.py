@@ -20,7 +20,7 @@ from __future__ import annotations
 import msgpack
 
 from superfluid.abi import OpStatus
-from superfluid.executor.executor import ExecutorFatal
+from superfluid.executor.executor import Executor, ExecutorFatal
 from superfluid.executor.lanes import Lane
 from superfluid.executor.op_fields import OpError, field, flag, u64, u64_list
 from superfluid.executor.tick import RetirePhase
@@ -30,7 +30,7 @@ DEFAULT_LIST = 256
 MAX_LISTED_RETIRES = 1024  # more retired tags than this: the count only, never a big completion
 
 
-def _held(ex) -> list[tuple[int, Lane | None, str]]:
+def _held(ex: Executor) -> list[tuple[int, Lane | None, str]]:
     """Every lane a retire may name, by tag: (tag, lane, state). A faulted
     lane is as it was when it faulted (its sequence is gone)."""
     rows = [(t, ln, ln.phase) for t, ln in ex.lanes.items()]
@@ -46,7 +46,7 @@ def _row(tag: int, lane: Lane | None, state: str) -> dict:
             "session": lane.session}
 
 
-def list_lanes(ex, msg: dict) -> tuple[int, int, bytes]:
+def list_lanes(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     after = u64(msg, "after", 0)
     limit = field(msg, "limit", int) if "limit" in msg else DEFAULT_LIST
     if not 1 <= limit <= MAX_LIST:
@@ -62,7 +62,7 @@ def list_lanes(ex, msg: dict) -> tuple[int, int, bytes]:
     return 0, len(ex.lanes) + len(ex.lanes.faulted), payload
 
 
-def _chosen(ex, msg: dict) -> list[int]:
+def _chosen(ex: Executor, msg: dict) -> list[int]:
     """The tags to retire, in order; every one live or faulted."""
     every = flag(msg, "all")
     if every:
@@ -81,7 +81,7 @@ def _chosen(ex, msg: dict) -> list[int]:
     return tags
 
 
-def retire_lanes(ex, msg: dict) -> tuple[int, int, bytes]:
+def retire_lanes(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     if ex.dead:  # the runtime's state is unknown: touch none of it
         raise OpError(OpStatus.Refused, ex.dead)
     publish = flag(msg, "publish")

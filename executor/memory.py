@@ -22,16 +22,21 @@ promised here, so speculation never makes a plan NeedsReplan.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from superfluid.abi import CacheClass, Status
 from superfluid.abi.plan_codec import PlanReject
 from superfluid.abi.records import TickPlan
 from superfluid.executor.cache import CacheEntry
 from superfluid.executor.seeds import SeedUse
 
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
+
 _RESIDENT_PREFIX = int(CacheClass.RESIDENT_PREFIX_CLASS)
 
 
-def check_memory(ex, plan: TickPlan, reached: dict[int, int], rounds: dict[int, int],
+def check_memory(ex: Executor, plan: TickPlan, reached: dict[int, int], rounds: dict[int, int],
                  seeds: dict[int, SeedUse]) -> tuple[list[CacheEntry], set[int], dict[int, int]]:
     """(entries to evict, retires that must not publish, each lane's cells at
     the end at most); sets each seed's path. Raises NeedsReplan."""
@@ -189,7 +194,7 @@ def _continues(use: SeedUse, page: int) -> bool:
     return use.keep >= use.entry.prompt_len // page * page
 
 
-def _can_take_over(ex, use: SeedUse) -> bool:
+def _can_take_over(ex: Executor, use: SeedUse) -> bool:
     e = use.entry
     if use.lease.adopt or not e.resident or ex.desc.copy_shares_cells or e.pins != 1:
         return False

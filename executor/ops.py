@@ -10,7 +10,7 @@ completion big."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -28,6 +28,9 @@ from superfluid.executor.op_fields import (
     handle as _handle,
     u32 as _u32,
 )
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -57,7 +60,7 @@ def decode_op(payload: bytes) -> dict:
     return msg
 
 
-def run_op(ex, msg: dict | bytes) -> OpCompletion:
+def run_op(ex: Executor, msg: dict | bytes) -> OpCompletion:
     """Apply one op to the executor; its completion (never raises for bad input)."""
     op_id, kind = 0, 0
     try:
@@ -76,7 +79,7 @@ def run_op(ex, msg: dict | bytes) -> OpCompletion:
                             payload=msgpack.packb({"error": clip(str(e), MAX_ERROR_BYTES)}))
 
 
-def _describe(ex, msg: dict) -> tuple[int, int, bytes]:
+def _describe(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     d = ex.desc
     voc = ex.runtime.vocabulary()
     body = {
@@ -95,7 +98,7 @@ def _describe(ex, msg: dict) -> tuple[int, int, bytes]:
     return 0, d.vocab_size, msgpack.packb(body)
 
 
-def _register_bias(ex, msg: dict) -> tuple[int, int, bytes]:
+def _register_bias(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     raw = _field(msg, "bias", (dict, list))
     items = raw.items() if isinstance(raw, dict) else raw
     ids, vals = [], []
@@ -122,14 +125,14 @@ def _register_bias(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, len(ids), b""
 
 
-def _release_bias(ex, msg: dict) -> tuple[int, int, bytes]:
+def _release_bias(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     h = _handle(msg)
     if ex.registry.biases.pop(h, None) is None:
         raise OpError(OpStatus.UnknownHandle, f"no logit bias {h}")
     return h, 0, b""
 
 
-def _register_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
+def _register_grammar(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     reg = ex.registry.grammars
     if not reg.supported:  # before the fields: no grammar of any kind can work here
         raise OpError(OpStatus.Unsupported, "grammars need a tokenizer: this runtime has none "
@@ -151,14 +154,14 @@ def _register_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, g.compile_us, b""
 
 
-def _release_grammar(ex, msg: dict) -> tuple[int, int, bytes]:
+def _release_grammar(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     h = _handle(msg)
     if not ex.registry.grammars.release(h):
         raise OpError(OpStatus.UnknownHandle, f"no grammar {h}")
     return h, 0, b""
 
 
-def _install_strategy(ex, msg: dict) -> tuple[int, int, bytes]:
+def _install_strategy(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     """Fill (or replace) a strategy slot; value = its new cert_id. Lanes admitted
     earlier keep the strategy they got."""
     why = spec.unsupported_because(ex.runtime)
@@ -175,7 +178,7 @@ def _install_strategy(ex, msg: dict) -> tuple[int, int, bytes]:
     return 0, st.cert_id, b""
 
 
-def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
+def _inject_fault(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     if not ex.fault_injection:
         raise OpError(OpStatus.Refused, "fault injection is off (start the worker with --fault-injection)")
     tag = _field(msg, "lane_tag", int)
@@ -188,7 +191,7 @@ def _inject_fault(ex, msg: dict) -> tuple[int, int, bytes]:
     return 0, tag, b""
 
 
-def _cache_clear(ex, msg: dict) -> tuple[int, int, bytes]:
+def _cache_clear(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     freed = 0
     for e in ex.cache.lru(resident=False):  # the host tier: nothing of the pool
         ex.cache.remove(e)

@@ -6,6 +6,8 @@ lane, and a failure leaves the cache and the lease table as they were.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgpack
 
 from superfluid.abi import Determinism, OpStatus
@@ -13,6 +15,9 @@ from superfluid.engine.runtime import CapacityError, FatalError, RuntimeFailure,
 from superfluid.executor.op_fields import OpError, echo, handle, tokens, u32
 from superfluid.executor.seeds import EnvelopeError, SeedLease, find_prefix, unwrap, wrap
 from superfluid.executor.state_dir import StateDir
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
 
 # What an op completion may carry inline when the event slot's size is not
 # known (in-process there is no slot: no limit).
@@ -24,7 +29,7 @@ def _ttl(msg: dict) -> int:
     return u32(msg, "ttl_ticks", lo=1)
 
 
-def _room(ex) -> None:
+def _room(ex: Executor) -> None:
     ex.sweep_leases()
     if ex.leases.full:
         raise OpError(OpStatus.Capacity, f"the lease table holds {ex.leases.capacity} leases; release some "
@@ -38,7 +43,7 @@ def _class(msg: dict) -> int:
     return det
 
 
-def lease_seed(ex, msg: dict) -> tuple[int, int, bytes]:
+def lease_seed(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     toks = tokens(msg, "tokens", ex.desc.vocab_size)
     ttl = _ttl(msg)
     det = _class(msg)
@@ -53,7 +58,7 @@ def lease_seed(ex, msg: dict) -> tuple[int, int, bytes]:
     return lease.handle, n, b""
 
 
-def release_seed(ex, msg: dict) -> tuple[int, int, bytes]:
+def release_seed(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     h = handle(msg)
     lease = ex.leases.get(h)
     if lease is None:
@@ -62,7 +67,7 @@ def release_seed(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, 0, b""
 
 
-def export_entry(ex, msg: dict) -> tuple[int, int, bytes]:
+def export_entry(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     h = handle(msg)
     path = msg.get("path")
     overwrite = msg.get("overwrite", False)
@@ -96,21 +101,21 @@ def export_entry(ex, msg: dict) -> tuple[int, int, bytes]:
     return h, len(blob), msgpack.packb({"blob": blob})
 
 
-def _state_dir(ex) -> StateDir:
+def _state_dir(ex: Executor) -> StateDir:
     if ex.state_dir is None:
         raise OpError(OpStatus.BadRequest, "field 'path': this executor has no state directory to hold files "
                                            "(serve --state-dir; in process, Executor(state_dir=...))")
     return ex.state_dir
 
 
-def _import_cap(ex) -> int:
+def _import_cap(ex: Executor) -> int:
     """The most bytes an import from a file may read: the runtime's largest
     export in its envelope (with the longest sequence's tokens)."""
     envelope = len(wrap(ex.desc.runtime_id, (), b"")) + 4 * ex.desc.max_seq_len
     return min(MAX_BLOB_FILE, envelope + ex.runtime.export_bytes_max())
 
 
-def _read_blob(ex, msg: dict) -> bytes:
+def _read_blob(ex: Executor, msg: dict) -> bytes:
     if "blob" in msg:
         b = msg["blob"]
         if not isinstance(b, (bytes, bytearray)):
@@ -121,7 +126,7 @@ def _read_blob(ex, msg: dict) -> bytes:
     return _state_dir(ex).read(msg["path"], _import_cap(ex))
 
 
-def import_state(ex, msg: dict) -> tuple[int, int, bytes]:
+def import_state(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     toks = tokens(msg, "tokens", ex.desc.vocab_size)
     ttl = _ttl(msg)
     det = _class(msg)

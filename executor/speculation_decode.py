@@ -24,17 +24,26 @@ a lane and never makes a plan NeedsReplan.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from superfluid.abi import Finish, Sampling
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
 from superfluid.executor.decode import lane_fault_code
 
+if TYPE_CHECKING:
+    from superfluid.engine.runtime import Runtime
+    from superfluid.executor.executor import Executor
+
 _HOST = int(Sampling.HOST)
 
 
 class SpecPhase:
     """The drafting part of a Tick's decode (DecodePhase calls it; tick.py holds the rest)."""
+
+    ex: Executor  # (set by Tick)
+    rt: Runtime
 
     # ------------------------------------------------------- per tick
 

@@ -10,6 +10,7 @@ upkeep (RetirePhase) also run op RETIRE_LANES.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from superfluid.executor.check import Verdict
 from superfluid.executor.decode import DecodePhase, lane_fault_code
 from superfluid.executor.lanes import Lane
 from superfluid.executor.speculation_decode import SpecPhase
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
 
 # A prompt shorter than this is not checkpointed on an exact_only runtime: it is cheap to run again.
 CHECKPOINT_MIN_TOKENS = 128
@@ -37,7 +41,7 @@ class RetirePhase:
     RETIRE_LANES (between ticks) run this one code. Evictions become entries
     of `shed`; `now` is the tick that a publish stamps (an op's: the next)."""
 
-    def __init__(self, ex, shed: list, now: int):
+    def __init__(self, ex: Executor, shed: list, now: int):
         self.ex = ex
         self.rt = ex.runtime
         self.shed = shed
@@ -167,7 +171,7 @@ class RetirePhase:
 class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
     """One applied plan's working state."""
 
-    def __init__(self, ex, v: Verdict):
+    def __init__(self, ex: Executor, v: Verdict):
         plan: TickPlan = v.plan
         # Evictions ops made since the last tick are reported in this one.
         pending = ex.pending.shed

@@ -34,12 +34,15 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from superfluid.bench import system
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
 
 BATCHES = (1, 8, 32)
 PROMPT = 64  # prompt tokens a request
@@ -95,7 +98,7 @@ def _serve(planner, prompts, tokens: int, workload: str, rng_base: int) -> tuple
 _WARMUP_MAX = 12  # warm-up batches at most, while the gate explores
 
 
-def _settled(ex, B: int) -> bool:
+def _settled(ex: Executor, B: int) -> bool:
     from superfluid.executor.speculation_gate import bucket
 
     for st in ex.registry.spec_gate.snapshot()["strategies"]:

@@ -3,10 +3,15 @@ prefixes by op, and serves whole requests (admit, decode, retire)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from superfluid.abi import CacheClass, Determinism
 from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.testing.executor import BIG_BUDGET, SAMPLE, emit_of, emitted, fake, make_executor, put
 from superfluid.testing.invariants import check_invariants
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
 
 SPI = int(Determinism.SEED_PATH_INVARIANT)
 
@@ -14,7 +19,7 @@ SPI = int(Determinism.SEED_PATH_INVARIANT)
 class LeaseDriver:
     """Plans for one executor, numbered in order."""
 
-    def __init__(self, ex):
+    def __init__(self, ex: Executor):
         self.ex = ex
         self.seq = 0
         self.tag = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine.fake import FakeRuntime
 from superfluid.testing.executor import BIG_BUDGET, GREEDY, emit_of, emitted, put
 from superfluid.testing.invariants import check_invariants
+
+if TYPE_CHECKING:
+    from superfluid.executor.executor import Executor
 
 
 class Cycler(FakeRuntime):
@@ -42,7 +46,7 @@ class Cycler(FakeRuntime):
         return None  # its rows are not the fake's: the host samples them
 
 
-def install(ex, slot: int = 1, *, max_draft: int = 8, ngram_min: int = 1, ngram_max: int = 4,
+def install(ex: Executor, slot: int = 1, *, max_draft: int = 8, ngram_min: int = 1, ngram_max: int = 4,
             kind: str = "prompt_lookup") -> int:
     done = ex.op({"op": "INSTALL_STRATEGY", "op_id": 7, "slot": slot, "kind": kind, "max_draft": max_draft,
                   "ngram_min": ngram_min, "ngram_max": ngram_max})
@@ -62,7 +66,7 @@ class Req:
 class Driver:
     """Admits requests into one executor and decodes them tick by tick."""
 
-    def __init__(self, ex):
+    def __init__(self, ex: Executor):
         self.ex = ex
         self.seq = 0
         self.out: dict[int, list[int]] = {}
