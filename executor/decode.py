@@ -1,12 +1,14 @@
 """Decode and the events (contract §4): rounds in which every decoding lane
 feeds its pending token and picks the next (on the device where the runtime
-samples, else on the host), decode_replay's rounds, finishes, HOST rows to
-the logits ring, and the TickEvents that report the tick. Drafting lanes'
-rounds (a draft verified in the same feed) are speculation_decode.py's.
+samples, else on the host), finishes, HOST rows to the logits ring, and the
+TickEvents that report the tick. decode_replay's rounds are replay.py's;
+drafting lanes' rounds (a draft verified in the same feed) are
+speculation_decode.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,6 +60,19 @@ def lane_fault_code(e: RuntimeFailure) -> int | None:
     if isinstance(e, FatalError):
         return None
     return int(Fault.INTERNAL)  # Unsupported, UnknownSequence, OutOfBounds: ours, but a lane's
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class DecodeRound:
+    """What a decode round keeps by lane tag besides the tick's rows
+    (Tick.rows, Tick.spec_rows): the grant each lane has left (for the
+    tick), the tokens the engine sampled, and the grammar lanes' rows in the
+    round's bitmask."""
+
+    remaining: dict[int, int]
+    picked: dict[int, int] = dataclasses.field(default_factory=dict)
+    bits: np.ndarray | None = None
+    masks: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class DecodePhase:
@@ -116,67 +131,6 @@ class DecodePhase:
         self._rounds(round_, remaining)
         self._spec_end((ex.clock() - t0) / 1e9, bool(replaying))
 
-    def _replay(self, replaying: list[int], remaining: dict[int, int]) -> None:
-        """decode_replay: the prompt's tail, one token a round, as decode fed
-        it the first time; not emitted, counted against the grant."""
-        ex = self.ex
-        self._feed_held(replaying, remaining)
-        yield_after = False
-        while True:
-            passes: list[tuple[int, int, bool]] = []
-            for tag in replaying:
-                lane = ex.lanes.get(tag)
-                if lane is None or remaining.get(tag, 0) <= 0 or len(lane.committed) >= len(lane.prompt):
-                    continue
-                token = lane.prompt[len(lane.committed)]
-                last = len(lane.committed) + 1 == len(lane.prompt)
-                lane.committed.append(token)
-                remaining[tag] -= 1
-                if last and remaining[tag] == 0:
-                    lane.pending_input = token
-                else:
-                    passes.append((tag, token, last))
-            if not passes:
-                break
-            if yield_after and ex.rings.yield_requested():
-                for tag, _, _ in passes:
-                    ex.lanes[tag].committed.pop()
-                    remaining[tag] += 1
-                break
-            yield_after = True
-            for i in range(0, len(passes), max(1, ex.desc.max_batch)):
-                chunk = passes[i:i + max(1, ex.desc.max_batch)]
-                feeds = [Feed(ex.lanes[tag].seq, [token], last, True) for tag, token, last in chunk]
-                got = self.step(feeds, [tag for tag, _, _ in chunk], "a decode replay")
-                if got is None:
-                    for tag, _, _ in chunk:
-                        remaining.pop(tag, None)
-                    continue
-                it = iter(got)
-                for tag, _, last in chunk:
-                    if last:
-                        self.rows[tag] = next(it)
-        for tag in replaying:
-            if remaining.get(tag) == 0:
-                remaining.pop(tag)
-
-    def _feed_held(self, replaying: list[int], remaining: dict[int, int]) -> None:
-        """The token an exact_only prefill held back before a replay: decode
-        fed it the first time (the prompt's last), so decode feeds it now,
-        before the replayed ones; it is prompt, not grant."""
-        ex = self.ex
-        held = [tag for tag in replaying if remaining.get(tag, 0) > 0 and ex.lanes[tag].pending_input is not None]
-        step = max(1, ex.desc.max_batch)
-        for i in range(0, len(held), step):
-            chunk = held[i:i + step]
-            feeds = [Feed(ex.lanes[tag].seq, [ex.lanes[tag].pending_input], False, True) for tag in chunk]
-            if self.step(feeds, chunk, "a decode replay") is None:
-                for tag in chunk:
-                    remaining.pop(tag, None)
-                continue
-            for tag in chunk:
-                ex.lanes[tag].pending_input = None
-
     def _finish(self, lane: Lane, code: int, remaining: dict[int, int]) -> None:
         self.finishes[lane.tag] = int(code)
         lane.finished = True
@@ -212,87 +166,16 @@ class DecodePhase:
         return TokenMasks(sub, None if len(masked) == len(tags) else masked)
 
     def _rounds(self, round_: list[tuple[int, int]], remaining: dict[int, int]) -> None:
-        ex, rt = self.ex, self.rt
-        desc = ex.desc
-        eos = rt.vocabulary().eos
-        max_len = desc.max_seq_len
-        picked: dict[int, int] = {}
-        verified = self.spec_rows  # drafting lanes' rows of this round: tag -> (rows, draft)
+        """Decode rounds until no lane feeds another token (or a yield is asked
+        for): each round masks, feeds, then takes each lane's token."""
+        ex = self.ex
+        eos = self.rt.vocabulary().eos
+        max_len = ex.desc.max_seq_len
+        r = DecodeRound(remaining)
         while True:
-            # Grammar lanes of this round: those feeding a token, and those with a row to pick from.
-            need = [tag for tag, _ in round_ if ex.lanes[tag].grammar is not None]
-            need += [tag for tag in self.rows if tag in remaining and tag in ex.lanes
-                     and ex.lanes[tag].grammar is not None]
-            bits, masks = self._grammar_masks(need, remaining) if need else (None, {})
-            if len(masks) < len(need):
-                round_ = [(tag, tok) for tag, tok in round_ if tag not in self.faulted_now]
-            drafts = self._drafts(round_, remaining) if self.spec_over else None
-            for i in range(0, len(round_), max(1, desc.max_batch)):
-                chunk = round_[i:i + max(1, desc.max_batch)]
-                if drafts and any(tag in drafts for tag, _ in chunk):
-                    self._verify_chunk(chunk, drafts, remaining, bits, masks, picked)
-                else:
-                    self._step_chunk(chunk, bits, masks, remaining, picked)
-            round_ = []
-            ready = set(self.rows) | set(picked)
-            if verified:
-                ready.update(verified)
-            for tag in sorted(ready):
-                lane = ex.lanes.get(tag)
-                if lane is None or tag not in remaining:
-                    self.rows.pop(tag, None)
-                    picked.pop(tag, None)
-                    verified.pop(tag, None)
-                    continue
-                if tag in verified:
-                    token = self._take_verified(lane, *verified.pop(tag), remaining, eos, max_len)
-                    if token is not None:
-                        round_.append((tag, token))
-                    continue
-                if len(lane.committed) >= max_len:
-                    self.rows.pop(tag, None)
-                    picked.pop(tag, None)
-                    self._finish(lane, Finish.LENGTH, remaining)
-                    continue
-                if tag in picked:
-                    token = int(picked.pop(tag))
-                    masks.pop(tag, None)
-                else:
-                    row = self.rows.pop(tag)
-                    if lane.sampling == _HOST:
-                        remaining.pop(tag, None)
-                        try:
-                            ref = ex.rings.write_logits(row)
-                        except RefError:
-                            self.fault(tag, Fault.REF_SPAN_OOB)
-                            continue
-                        lane.pending_row = PendingRow(ex.fresh_nonce(), ref)
-                        continue
-                    j = masks.pop(tag, None)
-                    token = self._host_pick(lane, row, None if j is None else bits[j])
-                if lane.grammar is not None and not lane.grammar.accept(token):
-                    self.fault(tag, _GRAMMAR_OVERFLOW)  # a token its mask should not have allowed
-                    remaining.pop(tag, None)
-                    continue
-                lane.committed.append(token)
-                lane.rng_counter += 1
-                out = self.out_tokens[tag]
-                if self.partial:
-                    ex.partial_sink(self.plan.plan_seq, tag, token, len(out))
-                out.append(token)
-                remaining[tag] -= 1
-                lane.pending_input = token
-                if token in eos and not lane.ignore_eos:
-                    self._finish(lane, Finish.EOS, remaining)
-                elif lane.grammar is not None and lane.grammar.is_complete():
-                    self._finish(lane, Finish.GRAMMAR, remaining)
-                elif len(lane.committed) >= max_len:
-                    self._finish(lane, Finish.LENGTH, remaining)
-                elif remaining[tag] == 0:
-                    remaining.pop(tag)
-                else:
-                    lane.pending_input = None
-                    round_.append((tag, token))
+            round_ = self._round_masks(round_, r)
+            self._feed_round(round_, r)
+            round_ = self._take_round(r, eos, max_len)
             if not round_:
                 break
             if ex.rings.yield_requested():
@@ -301,8 +184,104 @@ class DecodePhase:
                     remaining.pop(tag, None)
                 break
 
-    def _step_chunk(self, chunk: list[tuple[int, int]], bits, masks: dict[int, int], remaining: dict[int, int],
-                    picked: dict[int, int]) -> None:
+    def _round_masks(self, round_: list[tuple[int, int]], r: DecodeRound) -> list[tuple[int, int]]:
+        """The masks of this round's grammar lanes (those feeding a token, and
+        those with a row to pick from) into r; the round less lanes that faulted."""
+        lanes = self.ex.lanes
+        need = [tag for tag, _ in round_ if lanes[tag].grammar is not None]
+        need += [tag for tag in self.rows if tag in r.remaining and tag in lanes and lanes[tag].grammar is not None]
+        r.bits, r.masks = self._grammar_masks(need, r.remaining) if need else (None, {})
+        if len(r.masks) < len(need):
+            round_ = [(tag, tok) for tag, tok in round_ if tag not in self.faulted_now]
+        return round_
+
+    def _feed_round(self, round_: list[tuple[int, int]], r: DecodeRound) -> None:
+        """Step the round's feeds, max_batch at a time; drafting lanes' with their drafts."""
+        step = max(1, self.ex.desc.max_batch)
+        drafts = self._drafts(round_, r.remaining) if self.spec_over else None
+        for i in range(0, len(round_), step):
+            chunk = round_[i:i + step]
+            if drafts and any(tag in drafts for tag, _ in chunk):
+                self._verify_chunk(chunk, drafts, r)
+            else:
+                self._step_chunk(chunk, r)
+
+    def _take_round(self, r: DecodeRound, eos, max_len: int) -> list[tuple[int, int]]:
+        """Each lane with a sampled token, a row or verified rows takes its
+        token(s); the next round: the lanes that feed one, with it."""
+        rows, picked, verified = self.rows, r.picked, self.spec_rows  # drafting lanes': tag -> (rows, draft)
+        ready = set(rows) | set(picked)
+        if verified:
+            ready.update(verified)
+        lanes = self.ex.lanes
+        next_round: list[tuple[int, int]] = []
+        for tag in sorted(ready):
+            lane = lanes.get(tag)
+            if lane is None or tag not in r.remaining:
+                rows.pop(tag, None)
+                picked.pop(tag, None)
+                verified.pop(tag, None)
+                continue
+            if tag in verified:
+                token = self._take_verified(lane, *verified.pop(tag), r.remaining, eos, max_len)
+            else:
+                token = self._take(lane, r, eos, max_len)
+            if token is not None:
+                next_round.append((tag, token))
+        return next_round
+
+    def _take(self, lane: Lane, r: DecodeRound, eos, max_len: int) -> int | None:
+        """The lane's token of this round: sampled on the device, else picked
+        from its row on the host (a HOST lane's row goes to the logits ring
+        instead); committed. The token it feeds next round, or None."""
+        ex, tag, remaining = self.ex, lane.tag, r.remaining
+        if len(lane.committed) >= max_len:
+            self.rows.pop(tag, None)
+            r.picked.pop(tag, None)
+            self._finish(lane, Finish.LENGTH, remaining)
+            return None
+        if tag in r.picked:
+            token = int(r.picked.pop(tag))
+            r.masks.pop(tag, None)
+        else:
+            row = self.rows.pop(tag)
+            if lane.sampling == _HOST:
+                remaining.pop(tag, None)
+                try:
+                    ref = ex.rings.write_logits(row)
+                except RefError:
+                    self.fault(tag, Fault.REF_SPAN_OOB)
+                    return None
+                lane.pending_row = PendingRow(ex.fresh_nonce(), ref)
+                return None
+            j = r.masks.pop(tag, None)
+            token = self._host_pick(lane, row, None if j is None else r.bits[j])
+        if lane.grammar is not None and not lane.grammar.accept(token):
+            self.fault(tag, _GRAMMAR_OVERFLOW)  # a token its mask should not have allowed
+            remaining.pop(tag, None)
+            return None
+        lane.committed.append(token)
+        lane.rng_counter += 1
+        out = self.out_tokens[tag]
+        if self.partial:
+            ex.partial_sink(self.plan.plan_seq, tag, token, len(out))
+        out.append(token)
+        remaining[tag] -= 1
+        lane.pending_input = token
+        if token in eos and not lane.ignore_eos:
+            self._finish(lane, Finish.EOS, remaining)
+        elif lane.grammar is not None and lane.grammar.is_complete():
+            self._finish(lane, Finish.GRAMMAR, remaining)
+        elif len(lane.committed) >= max_len:
+            self._finish(lane, Finish.LENGTH, remaining)
+        elif remaining[tag] == 0:
+            remaining.pop(tag)
+        else:
+            lane.pending_input = None
+            return token
+        return None
+
+    def _step_chunk(self, chunk: list[tuple[int, int]], r: DecodeRound) -> None:
         """One step of a round's chunk of one-token feeds: its tokens picked
         on the device where the runtime samples them all, else its rows."""
         ex, rt = self.ex, self.rt
@@ -311,19 +290,19 @@ class DecodePhase:
         tags = [tag for tag, _ in chunk]
         specs = [self._engine_spec(ln) for ln in lanes]
         if all(s is not None for s in specs):
-            tm = self._token_masks(bits, masks, tags) if masks else None
+            tm = self._token_masks(r.bits, r.masks, tags) if r.masks else None
             try:
                 toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
             except RuntimeFailure as e:
-                self.step_failed(e, tags, "a decode step", remaining)
+                self.step_failed(e, tags, "a decode step", r.remaining)
                 return
             if toks is not None:
-                picked.update(zip(tags, toks))
+                r.picked.update(zip(tags, toks))
                 return
         got = self.step(feeds, tags, "a decode step")
         if got is None:
             for tag in tags:
-                remaining.pop(tag, None)
+                r.remaining.pop(tag, None)
             return
         self.rows.update(zip(tags, got))
 

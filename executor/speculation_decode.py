@@ -34,6 +34,7 @@ from superfluid.executor.decode import lane_fault_code
 
 if TYPE_CHECKING:
     from superfluid.engine.runtime import Runtime
+    from superfluid.executor.decode import DecodeRound
     from superfluid.executor.executor import Executor
 
 _HOST = int(Sampling.HOST)
@@ -124,21 +125,19 @@ class SpecPhase:
             out[tag] = d
         return out
 
-    def _verify_chunk(self, chunk: list[tuple[int, int]], drafts: dict[int, list[int]], remaining: dict[int, int],
-                      bits, masks, picked: dict[int, int]) -> None:
+    def _verify_chunk(self, chunk: list[tuple[int, int]], drafts: dict[int, list[int]], r: DecodeRound) -> None:
         """Step a chunk of which some feeds carry drafts."""
         if self.ex.desc.verify_batches:
-            self._verify_step(chunk, drafts, remaining, bits, masks, picked)
+            self._verify_step(chunk, drafts, r)
             return
         rest = [c for c in chunk if c[0] not in drafts]
         for c in chunk:
             if c[0] in drafts:
-                self._verify_step([c], drafts, remaining, bits, masks, picked)
+                self._verify_step([c], drafts, r)
         if rest:
-            self._step_chunk(rest, bits, masks, remaining, picked)
+            self._step_chunk(rest, r)
 
-    def _verify_step(self, chunk: list[tuple[int, int]], drafts: dict[int, list[int]], remaining: dict[int, int],
-                     bits, masks, picked: dict[int, int]) -> None:
+    def _verify_step(self, chunk: list[tuple[int, int]], drafts: dict[int, list[int]], r: DecodeRound) -> None:
         ex = self.ex
         tags = [tag for tag, _ in chunk]
         feeds = [Feed(ex.lanes[tag].seq, [tok, *drafts.get(tag, ())], True) for tag, tok in chunk]
@@ -149,10 +148,10 @@ class SpecPhase:
             # round without drafts, which the memory check made room for.
             for tag in tags:
                 drafts.pop(tag, None)
-            self._step_chunk(chunk, bits, masks, remaining, picked)
+            self._step_chunk(chunk, r)
             return
         except RuntimeFailure as e:
-            self.step_failed(e, tags, "a draft verification", remaining)
+            self.step_failed(e, tags, "a draft verification", r.remaining)
             return
         if got is None or len(got) != len(feeds) or any(len(r) != len(f.tokens) for r, f in zip(got, feeds)):
             raise ex.fatal("a draft verification", RuntimeError("step_rows did not return a row per fed token"))

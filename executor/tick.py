@@ -1,7 +1,8 @@
 """Running an accepted plan (contract §4), phase by phase, in the contract's order:
 evictions the check planned, retires (publish or free), cache settling,
 commits, then (admit.py) seed takeovers and admits, seeded or fresh, then
-prefill; decode and the events are in decode.py, drafting in speculation_decode.py.
+prefill; decode and the events are in decode.py, decode_replay in replay.py, drafting in
+speculation_decode.py.
 Nothing here can reject: the check has made sure that everything fits, so a
 runtime failure is a lane's fault or fatal. The retires and the cache's
 upkeep (RetirePhase) also run op RETIRE_LANES.
@@ -22,6 +23,7 @@ from superfluid.executor.cache import CacheEntry
 from superfluid.executor.check import Verdict
 from superfluid.executor.decode import DecodePhase, lane_fault_code
 from superfluid.executor.lanes import Lane
+from superfluid.executor.replay import ReplayPhase
 from superfluid.executor.speculation_decode import SpecPhase
 
 if TYPE_CHECKING:
@@ -168,7 +170,7 @@ class RetirePhase:
                 self.free(lane.seq, "a retire")
 
 
-class Tick(AdmitPhase, DecodePhase, SpecPhase, RetirePhase):
+class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, RetirePhase):
     """One applied plan's working state."""
 
     def __init__(self, ex: Executor, v: Verdict):
