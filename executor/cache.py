@@ -37,7 +37,7 @@ class CacheEntry:
 class _Node:
     __slots__ = ("children", "ends", "key", "parent", "through")
 
-    def __init__(self, parent: _Node | None, key: tuple[int, ...]):
+    def __init__(self, parent: _Node | None, key: tuple[int, ...]) -> None:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.through: set[int] = set()  # entries holding every page down to here
         self.ends: set[int] = set()  # entries whose whole pages end here (their tail is shorter than a page)

@@ -20,7 +20,7 @@ from typing import Any
 
 from superfluid.abi import ShedReason, Status, TickStatus
 from superfluid.abi.plan_codec import PlanReject, check_plan, decode_plan, plan_seq_of
-from superfluid.abi.records import ShedReport, TickEvents, TickMemCounters, TickPlan, TickTimings
+from superfluid.abi.records import OpCompletion, ShedReport, TickEvents, TickMemCounters, TickPlan, TickTimings
 from superfluid.engine.runtime import FatalError, MemCounters, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check, empty_events_fit
@@ -276,7 +276,7 @@ class Executor:
 
     # ---------------------------------------------------------------- ops
 
-    def op(self, msg: dict | bytes, *, queue: bool = False):
+    def op(self, msg: dict | bytes, *, queue: bool = False) -> OpCompletion:
         """Run one op now; its OpCompletion. queue=True also holds the
         completion for the next tick's events (the worker's way)."""
         from superfluid.executor.ops import run_op

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import struct
+from collections.abc import Iterator
 
 from superfluid.executor.cache import CacheEntry, PrefixCache, best_of
 
@@ -66,7 +67,9 @@ class SeedUse:
 
 
 class LeaseTable:
-    def __init__(self, cache: PrefixCache, capacity: int = DEFAULT_MAX_LEASES):
+    """The seed leases by handle, and the recently expired ones' handles."""
+
+    def __init__(self, cache: PrefixCache, capacity: int = DEFAULT_MAX_LEASES) -> None:
         if capacity < 1:
             raise ValueError(f"a lease table holds at least 1 lease, not {capacity}")
         self.capacity = capacity
@@ -77,7 +80,7 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.leases)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[SeedLease]:
         return iter(list(self.leases.values()))
 
     def get(self, handle: int) -> SeedLease | None:

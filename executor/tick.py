@@ -43,7 +43,7 @@ class RetirePhase:
     RETIRE_LANES (between ticks) run this one code. Evictions become entries
     of `shed`; `now` is the tick that a publish stamps (an op's: the next)."""
 
-    def __init__(self, ex: Executor, shed: list, now: int):
+    def __init__(self, ex: Executor, shed: list[ShedEntry], now: int) -> None:
         self.ex = ex
         self.rt = ex.runtime
         self.shed = shed
@@ -173,7 +173,7 @@ class RetirePhase:
 class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, RetirePhase):
     """One applied plan's working state."""
 
-    def __init__(self, ex: Executor, v: Verdict):
+    def __init__(self, ex: Executor, v: Verdict) -> None:
         plan: TickPlan = v.plan
         # Evictions ops made since the last tick are reported in this one.
         pending = ex.pending.shed
