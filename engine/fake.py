@@ -350,9 +350,9 @@ class FakeRuntime(FaultInjection, Runtime):
         for i, ((s, _), sp) in enumerate(zip(done, specs)):
             row = self._model.row(s.chain[-1], len(s.tokens))
             if i in mask_of:
-                from superfluid.kernels.reference_sampler import apply_bitmask
+                from superfluid.kernels.bitmask import apply_bitmask_row
 
-                apply_bitmask(row, mask_of[i])
+                apply_bitmask_row(row, mask_of[i])
             if sp.temperature > 0 and self._sampling is not None:
                 tok = self._sampling.sample(row, sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                             sp.rng_position)
