@@ -38,10 +38,8 @@ sequence holds no cells.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import operator
-import time
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Literal
@@ -51,6 +49,7 @@ import numpy as np
 from superfluid.engine.blocks import BlockPool
 from superfluid.engine.fake_faults import FaultInjection
 from superfluid.engine.fake_rows import FakeModel, FakeSeq
+from superfluid.engine.fake_stats import FakeStats, spend
 from superfluid.engine.runtime import (
     CapacityError,
     Feed,
@@ -74,25 +73,6 @@ def _host_sampling() -> ModuleType | None:
     except ImportError:
         return None
     return mod if callable(getattr(mod, "sample", None)) else None
-
-
-@dataclasses.dataclass
-class FakeStats:
-    """What the runtime was asked to do; a benchmark subtracts simulated_ns."""
-
-    step_calls: int = 0  # every step/step_rows/step_sampled call, failed ones too
-    steps: int = 0  # steps that ran
-    tokens_fed: int = 0
-    rows: int = 0  # rows returned (step and step_rows)
-    sampled: int = 0  # tokens returned by step_sampled
-    creates: int = 0
-    copies: int = 0
-    truncates: int = 0
-    frees: int = 0
-    exports: int = 0
-    imports: int = 0
-    faults: int = 0  # injected failures raised
-    simulated_ns: int = 0  # cost asked by step_cost/token_cost
 
 
 class FakeRuntime(FaultInjection, Runtime):
@@ -301,7 +281,7 @@ class FakeRuntime(FaultInjection, Runtime):
         if not self._pool.fits(need):
             raise CapacityError(f"step needs {need} more blocks")
         n_tokens = sum(len(t) for _, t in resolved)
-        self._spend(self._step_cost + self._token_cost * n_tokens)
+        spend(self.stats, self._step_cost + self._token_cost * n_tokens, self._cost_mode)
         out: list[tuple[FakeSeq, int]] = []
         modes = self.desc.exact_only
         for (s, toks), f in zip(resolved, feeds):
@@ -361,19 +341,6 @@ class FakeRuntime(FaultInjection, Runtime):
             out.append(int(tok))
         self.stats.sampled += len(out)
         return out
-
-    def _spend(self, seconds: float) -> None:
-        """The simulated cost of a step: a sleep, or a spin a benchmark can subtract."""
-        if seconds <= 0:
-            return
-        ns = int(seconds * 1e9)
-        self.stats.simulated_ns += ns
-        if self._cost_mode == "sleep":
-            time.sleep(seconds)
-            return
-        end = time.perf_counter_ns() + ns
-        while time.perf_counter_ns() < end:
-            pass
 
     # ------------------------------------------------------------ export / import
 

@@ -8,13 +8,11 @@ FatalError, as a lost device would, until clear_faults().
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from superfluid.abi import Fault
+from superfluid.engine.fake_stats import FakeStats
 from superfluid.engine.runtime import CapacityError, FatalError, LaneFault
-
-if TYPE_CHECKING:
-    from superfluid.engine.fake import FakeStats
 
 FaultSite = Literal["step", "copy", "truncate", "import", "export", "create", "free", "any"]
 _SITES = frozenset(("step", "copy", "truncate", "import", "export", "create", "free", "any"))
