@@ -30,6 +30,9 @@ class Holder(Protocol):
 
 
 class BlockPool:
+    """`n_blocks` blocks of `page` cells (the trash block among them); `what`
+    names them in a CapacityError."""
+
     def __init__(self, n_blocks: int | None, page: int = 1, *, trash: bool = True, what: str = "blocks"):
         if page < 1:
             raise ValueError(f"page must be >= 1, got {page}")
