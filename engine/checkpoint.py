@@ -1,5 +1,7 @@
 """A checkpoint directory's files as read: config.json's raw object, its
-model_type, and the rule every file of a checkpoint is read under: a
+model_type, the error a config.json that cannot be served raises (ConfigError)
+and the kinds its values are checked as, and the rule every file of a
+checkpoint is read under: a
 regular file (symlinks followed: the Hugging Face cache is made of them),
 never a FIFO or a device, which would block a reader or never end. No
 torch here: the daemon reads these before any worker starts."""
@@ -9,6 +11,26 @@ from __future__ import annotations
 import json
 import os
 import stat
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; names the field and the file."""
+
+    def __init__(self, reason: str, *, field: str | None = None, source: str | None = None):
+        self.reason = reason
+        self.field = field
+        self.source = source
+        where = ": ".join(p for p in (source, f"field {field!r}" if field else None) if p)
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class NotRegular(ValueError):

@@ -7,78 +7,43 @@ q/k are normed, the head size, the sliding window of each layer, the rope
 parameters. Defaults for absent optional fields are those of the matching
 transformers config class, so a checkpoint means the same here as there.
 
-Both config.json generations are read: transformers 4 writes `rope_theta` at
-the top level with `rope_scaling: {"type" | "rope_type": ...}` and
-`torch_dtype`; transformers 5 writes `rope_parameters: {"rope_type",
-"rope_theta", ...}` and `dtype`.
+Reading config.json (both transformers generations) is engine/config_json.py's;
+what the rope parameters mean is engine/rope_scaling.py's; ConfigError is
+engine/checkpoint.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from superfluid.engine.checkpoint import NotRegular, read_text
+from superfluid.engine.checkpoint import ConfigError, is_int, is_num
+from superfluid.engine.config_json import (
+    ARCHITECTURES,
+    DTYPES,
+    FULL_ATTENTION,
+    GENERATION,
+    SLIDING_ATTENTION,
+    from_hf_dict,
+    read_json,
+    supported,
+)
+from superfluid.engine.rope_scaling import normalize_rope
 
 __all__ = [
-    "ARCHITECTURES",
-    "ROPE_TYPES",
-    "ConfigError",
     "ModelConfig",
     "load_config",
-    "rope_cos_sin",
-    "rope_inv_freq",
 ]
-
-# model_type -> the transformers class name written in "architectures"
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-ROPE_TYPES = ("default", "llama3", "linear")
-
-# Per-architecture defaults of the transformers 5 config classes, for fields a
-# config.json may leave out (e.g. Mistral's sliding_window is 4096 when absent).
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, sliding_window=None),
-    "mistral": dict(max_position_embeddings=4096 * 32, bos_token_id=1, eos_token_id=2, sliding_window=4096),
-    "qwen2": dict(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, sliding_window=4096),
-    "qwen3": dict(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, sliding_window=4096),
-}
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_GENERATION = "\0generation"  # marks an error in a generation_config.json field
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 
 
 # Far above any model's depth (the deepest have a few hundred layers), far below
 # what a per-layer list of this length costs to build.
 MAX_LAYERS = 1 << 16
-
-
-class ConfigError(ValueError):
-    """A config that cannot be served; names the field and the file."""
-
-    def __init__(self, reason: str, *, field: str | None = None, source: str | None = None):
-        self.reason = reason
-        self.field = field
-        self.source = source
-        where = ": ".join(p for p in (source, f"field {field!r}" if field else None) if p)
-        super().__init__(f"{where}: {reason}" if where else reason)
 
 
 # ------------------------------------------------------------------ the config
@@ -120,12 +85,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture {self.arch!r}; supported: {_supported()}",
+            raise ConfigError(f"unsupported architecture {self.arch!r}; supported: {supported()}",
                               field="arch")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, name)
-            if not _is_int(v) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ConfigError(f"must be a positive integer, got {v!r}", field=name)
         if self.num_layers > MAX_LAYERS:  # before anything is made per layer
             raise ConfigError(f"must be at most {MAX_LAYERS}, got {self.num_layers}", field="num_layers")
@@ -137,24 +102,24 @@ class ModelConfig:
                               field="head_dim")
         for name in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, name)
-            if not (_is_num(v) and v > 0 and math.isfinite(v)):
+            if not (is_num(v) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"must be a positive number, got {v!r}", field=name)
-        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window <= 0):
+        if self.sliding_window is not None and (not is_int(self.sliding_window) or self.sliding_window <= 0):
             raise ConfigError(f"must be a positive integer or null, got {self.sliding_window!r}",
                               field="sliding_window")
-        if self.dtype not in _DTYPES.values():
+        if self.dtype not in DTYPES.values():
             raise ConfigError(f"unsupported dtype {self.dtype}", field="dtype")
         _check_arch_flags(self)
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         # Out-of-vocabulary ids could never be sampled (and transformers' embedding refuses such a pad).
         for name, ids in (("eos_token_ids", self.eos_token_ids), ("bos_token_id", (self.bos_token_id,)),
                           ("pad_token_id", (self.pad_token_id,))):
-            bad = [t for t in ids if t is not None and not (_is_int(t) and 0 <= t < self.vocab_size)]
+            bad = [t for t in ids if t is not None and not (is_int(t) and 0 <= t < self.vocab_size)]
             if bad:
                 raise ConfigError(f"token id {bad[0]!r} is outside the vocabulary "
                                   f"(vocab_size {self.vocab_size})", field=name)
         # Normalized here too, so direct construction and from_dict agree.
-        rope = _normalize_rope(self.rope_scaling, self.max_position_embeddings)
+        rope = normalize_rope(self.rope_scaling, self.max_position_embeddings)
         object.__setattr__(self, "rope_scaling", rope)
         # No layer_types: the window, if any, applies to every layer.
         lt = tuple(self.layer_types) or (
@@ -196,9 +161,9 @@ class ModelConfig:
         whose eos ids are merged after config.json's). Errors name `source`,
         or `generation_source` for a field read from `generation`."""
         try:
-            return _from_dict(cls, d, generation or {})
+            return from_hf_dict(cls, d, generation or {})
         except ConfigError as e:
-            where = generation_source if e.source == _GENERATION else source
+            where = generation_source if e.source == GENERATION else source
             raise ConfigError(e.reason, field=e.field, source=where) from None
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -249,62 +214,12 @@ def load_config(path: str | Path) -> ModelConfig:
     p = Path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
     gen_file = cfg_file.with_name("generation_config.json")
-    d = _read_json(cfg_file)
-    gen = _read_json(gen_file) if gen_file.is_file() else {}
+    d = read_json(cfg_file)
+    gen = read_json(gen_file) if gen_file.is_file() else {}
     return ModelConfig.from_dict(d, gen, source=str(cfg_file), generation_source=str(gen_file))
 
 
-# ------------------------------------------------------------------ rope
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The rope inverse frequencies (float32, head_dim/2), scaling applied.
-
-    Computed in float64 and rounded once, so each frequency is the correctly
-    rounded value, the same on every machine (float32 `pow` kernels differ in
-    the last bits between CPU and GPU). transformers computes in float32; the
-    two agree within 1e-7 (a few ulp; every frequency is <= 1)."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    rs = cfg.rope_scaling
-    if rs is None:
-        pass
-    elif rs["rope_type"] == "linear":
-        inv = inv / rs["factor"]
-    elif rs["rope_type"] == "llama3":
-        # Llama 3.1: long wavelengths slow down by `factor`, short ones stay,
-        # the band between is interpolated (transformers _compute_llama3_parameters).
-        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old_ctx = rs["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = torch.where(medium, smoothed, scaled)
-    else:  # unreachable: _normalize_rope admits only ROPE_TYPES
-        raise ConfigError(f"unsupported rope type {rs['rope_type']!r}", field="rope_scaling")
-    return inv.to(torch.float32)
-
-
-def rope_cos_sin(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * inv_freq for positions 0..max_len-1, each
-    float32 [max_len, head_dim/2] (half the head: rotate-half applies each
-    column to dims j and j + head_dim/2).
-
-    The angles are taken in float64 from the float32 frequencies: in float32,
-    position * freq loses up to half an ulp of the angle (~2e-3 rad at
-    position 32k); this way every entry is the correctly rounded cos/sin of
-    the exact angle, at any position."""
-    if max_len < 0:
-        raise ValueError(f"max_len must be >= 0, got {max_len}")
-    pos = torch.arange(max_len, dtype=torch.float64)
-    angles = torch.outer(pos, rope_inv_freq(cfg).to(torch.float64))
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
-
-
-# ------------------------------------------------------------------ parsing
+# ------------------------------------------------------------------ checks
 
 
 def _check_arch_flags(c: ModelConfig) -> None:
@@ -328,257 +243,5 @@ def _check_arch_flags(c: ModelConfig) -> None:
             raise ConfigError(f"{c.arch} requires {name}={v!r}, got {getattr(c, name)!r}", field=name)
 
 
-
-def _supported() -> str:
-    return ", ".join(f"{m} ({c})" for m, c in ARCHITECTURES.items())
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        d = json.loads(read_text(path))
-    except FileNotFoundError:
-        raise ConfigError("file not found", source=str(path)) from None
-    except NotRegular:
-        raise ConfigError("not a regular file (a FIFO, a device or a directory)", source=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"not valid JSON ({e})", source=str(path)) from None
-    if not isinstance(d, dict):
-        raise ConfigError("must hold a JSON object", source=str(path))
-    return d
-
-
-def _arch_of(d: Mapping[str, Any]) -> str:
-    mt = d.get("model_type")
-    archs = d.get("architectures")
-    if archs is not None:
-        if not isinstance(archs, list) or not archs:
-            raise ConfigError(f"must be a non-empty list, got {archs!r}", field="architectures")
-        by_class = {c: m for m, c in ARCHITECTURES.items()}
-        if archs[0] not in by_class:
-            raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: {_supported()}",
-                              field="architectures")
-        if mt is not None and mt != by_class[archs[0]]:
-            raise ConfigError(f"model_type {mt!r} disagrees with architectures[0] {archs[0]!r}",
-                              field="model_type")
-        return by_class[archs[0]]
-    if mt is None:
-        raise ConfigError(f"missing: neither model_type nor architectures is set; supported: {_supported()}",
-                          field="model_type")
-    if mt not in ARCHITECTURES:
-        raise ConfigError(f"unsupported model_type {mt!r}; supported: {_supported()}", field="model_type")
-    return str(mt)
-
-
-def _get(d: Mapping[str, Any], key: str, kind: str, default: Any = ..., *, nullable: bool = False) -> Any:
-    if key not in d or (d[key] is None and not nullable and default is not ...):
-        if default is ...:
-            raise ConfigError("missing required field", field=key)
-        return default
-    v = d[key]
-    if v is None and nullable:
-        return None
-    ok: dict[str, Callable[[Any], bool]] = {"int": _is_int, "num": _is_num,
-                                            "bool": lambda x: isinstance(x, bool),
-                                            "str": lambda x: isinstance(x, str)}
-    if not ok[kind](v):
-        want = {"int": "an integer", "num": "a number", "bool": "true or false", "str": "a string"}[kind]
-        raise ConfigError(f"must be {want}, got {v!r}", field=key)
-    return v
-
-
-def _token_ids(v: Any, field: str) -> list[int]:
-    if v is None:
-        return []
-    vs = v if isinstance(v, list) else [v]
-    if not all(_is_int(x) and x >= 0 for x in vs):
-        raise ConfigError(f"must be a token id or a list of them, got {v!r}", field=field)
-    return vs
-
-
-def _parse_dtype(d: Mapping[str, Any]) -> torch.dtype:
-    key = "dtype" if d.get("dtype") is not None else "torch_dtype"
-    v = d.get(key)
-    if v is None or v == "auto":
-        return torch.float32
-    name = str(v).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ConfigError(f"unsupported dtype {v!r}; supported: float32, float16, bfloat16", field=key)
-    return _DTYPES[name]
-
-
-def _rope_params(d: Mapping[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalized scaling) with transformers' precedence: a truthy
-    rope_scaling replaces rope_parameters; rope_theta inside the dict beats
-    the top-level one, which beats 10000."""
-    field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
-    rp = d.get(field)
-    if rp is not None and not isinstance(rp, Mapping):
-        raise ConfigError(f"must be an object, got {rp!r}", field=field)
-    rp = dict(rp or {})
-    if any(isinstance(v, Mapping) for v in rp.values()):
-        raise ConfigError("per-layer-type rope parameters are not supported", field=field)
-    theta = rp.pop("rope_theta", None)
-    if theta is None:
-        theta = d.get("rope_theta")
-    if theta is None:
-        theta = 10000.0
-    if not _is_num(theta):
-        raise ConfigError(f"must be a number, got {theta!r}", field="rope_theta")
-    prf = rp.pop("partial_rotary_factor", d.get("partial_rotary_factor"))
-    if prf is not None and prf != 1.0:
-        raise ConfigError(f"partial rotary embeddings are not supported (got {prf!r})",
-                          field="partial_rotary_factor")
-    try:
-        return float(theta), _normalize_rope(rp, max_pos)
-    except ConfigError as e:
-        raise ConfigError(e.reason, field=field) from None
-
-
-def _normalize_rope(rp: Mapping[str, Any] | None, max_pos: int) -> dict[str, Any] | None:
-    """None for plain rope, else {"rope_type", <that type's parameters>}.
-    Accepts "rope_type" (transformers >= 4.45) or the older "type"."""
-    if not rp:
-        return None
-    rp = dict(rp)
-    rtype = rp.get("rope_type", rp.get("type", "default"))
-    if rtype not in ROPE_TYPES:
-        supported = ", ".join(map(repr, ROPE_TYPES))
-        raise ConfigError(f"unsupported rope type {rtype!r}; supported: None, {supported}",
-                          field="rope_scaling")
-    if rtype == "default":
-        return None
-
-    def num(key: str, default: Any = ...) -> float:
-        v = rp.get(key, default)
-        if v is ...:
-            raise ConfigError(f"{rtype} rope needs {key!r}", field="rope_scaling")
-        if not _is_num(v) or not math.isfinite(v):
-            raise ConfigError(f"{rtype} rope {key!r} must be a number, got {v!r}", field="rope_scaling")
-        return float(v)
-
-    factor = float(num("factor"))
-    if factor <= 0:
-        raise ConfigError(f"{rtype} rope factor must be > 0, got {factor}", field="rope_scaling")
-    if rtype == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    low, high = float(num("low_freq_factor")), float(num("high_freq_factor"))
-    # transformers falls back to max_position_embeddings for the pretraining length
-    old_ctx = num("original_max_position_embeddings", max_pos)
-    if not (0 < low < high) or old_ctx <= 0 or old_ctx != int(old_ctx):
-        raise ConfigError(f"llama3 rope needs 0 < low_freq_factor < high_freq_factor and an integer "
-                          f"original_max_position_embeddings > 0, got {low}, {high}, {old_ctx}",
-                          field="rope_scaling")
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": int(old_ctx)}
-
-
-def _from_dict(cls: type[ModelConfig], d: Mapping[str, Any], gen: Mapping[str, Any]) -> ModelConfig:
-    arch = _arch_of(d)
-    defaults = _DEFAULTS[arch]
-    act = _get(d, "hidden_act", "str", "silu")
-    if act not in ("silu", "swish"):  # transformers maps both to SiLU
-        raise ConfigError(f"unsupported activation {act!r}; only 'silu' is supported", field="hidden_act")
-
-    hidden = _get(d, "hidden_size", "int")
-    heads = _get(d, "num_attention_heads", "int")
-    kv_heads = _get(d, "num_key_value_heads", "int", heads)
-    if _is_int(heads) and _is_int(kv_heads) and kv_heads > 0 and heads % kv_heads:
-        raise ConfigError(f"num_attention_heads ({heads}) is not divisible by num_key_value_heads "
-                          f"({kv_heads})", field="num_key_value_heads")
-    # Qwen3Config's head_dim defaults to 128; the others derive it from the width.
-    head_dim = _get(d, "head_dim", "int", 128 if arch == "qwen3" else (hidden // heads if heads > 0 else 0))
-    num_layers = _get(d, "num_hidden_layers", "int")
-    max_pos = _get(d, "max_position_embeddings", "int", defaults["max_position_embeddings"])
-    theta, scaling = _rope_params(d, max_pos)
-
-    attention_bias = _get(d, "attention_bias", "bool", False)
-    mlp_bias = _get(d, "mlp_bias", "bool", False)
-    if arch == "llama":  # LlamaAttention: attention_bias on q, k, v and o
-        qkv_bias, o_bias = attention_bias, attention_bias
-    elif arch == "qwen3":
-        qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, False
-    elif arch == "qwen2":  # Qwen2Attention hard-codes bias=True on q/k/v only
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    else:  # MistralAttention: no biases at all
-        qkv_bias, o_bias, mlp_bias = False, False, False
-
-    window = _get(d, "sliding_window", "int", defaults["sliding_window"], nullable=True)
-    layer_types: tuple[str, ...] = ()
-    if arch == "llama":
-        window = None
-    elif arch == "mistral":  # MistralModel slides every layer when a window is set
-        layer_types = (SLIDING_ATTENTION if window is not None else FULL_ATTENTION,) * num_layers
-    else:  # Qwen2/3: the window only with use_sliding_window, on layers >= max_window_layers
-        if not _get(d, "use_sliding_window", "bool", False):
-            window = None
-        lt = d.get("layer_types")
-        if lt is not None:
-            if not isinstance(lt, list):
-                raise ConfigError(f"must be a list, got {lt!r}", field="layer_types")
-            layer_types = tuple(lt)
-        else:
-            mwl = _get(d, "max_window_layers", "int", 28)
-            layer_types = tuple(SLIDING_ATTENTION if window is not None and i >= mwl else FULL_ATTENTION
-                                for i in range(num_layers))
-
-    vocab = _get(d, "vocab_size", "int")
-    if vocab <= 0:
-        raise ConfigError(f"must be a positive integer, got {vocab!r}", field="vocab_size")
-
-    def ids_of(src: Mapping[str, Any], key: str, default: Any = None) -> list[int]:
-        try:
-            ids = _token_ids(src.get(key, default), key)
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ConfigError(f"token id {bad[0]} is outside the vocabulary (vocab_size {vocab})",
-                                  field=key)
-            return ids
-        except ConfigError as e:
-            raise ConfigError(e.reason, field=e.field, source=_GENERATION if src is gen else None) from None
-
-    eos: list[int] = []
-    for t in ids_of(d, "eos_token_id", defaults["eos_token_id"]) + ids_of(gen, "eos_token_id"):
-        if t not in eos:
-            eos.append(t)
-
-    def special(key: str, default: int | None) -> int | None:
-        ids = ids_of(d, key, default) or ids_of(gen, key)  # config.json's null falls back
-        return ids[0] if ids else None
-
-    return cls(
-        arch=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=_get(d, "intermediate_size", "int"),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_get(d, "rms_norm_eps", "num", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=max_pos,
-        sliding_window=window,
-        tie_word_embeddings=_get(d, "tie_word_embeddings", "bool", False),
-        attention_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=arch == "qwen3",
-        dtype=_parse_dtype(d),
-        eos_token_ids=tuple(eos),
-        bos_token_id=special("bos_token_id", defaults["bos_token_id"]),
-        pad_token_id=special("pad_token_id", None),
-        layer_types=layer_types,
-    )

@@ -25,6 +25,7 @@ import zlib
 import numpy as np
 import torch
 
+from superfluid.engine.blocks import BlockPool
 from superfluid.engine.mamba2 import Mamba2Config
 from superfluid.engine.runtime import CapacityError, OutOfBounds
 
@@ -62,7 +63,7 @@ class StatePool:
         self.canon_conv, self.live_conv = torch.zeros(conv, **z), torch.zeros(conv, **z)
         self.canon_ssm, self.live_ssm = torch.zeros(ssm, **z), torch.zeros(ssm, **z)
         self.slots = slots
-        self.free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._slots = BlockPool(slots, trash=False, what="state slots")  # one holder a slot: no sharing
 
     @staticmethod
     def slot_bytes(cfg: Mamba2Config) -> int:
@@ -77,14 +78,14 @@ class StatePool:
         return self.canon_conv, self.canon_ssm, self.live_conv, self.live_ssm
 
     def take(self) -> int:
-        if not self.free:
+        if not self._slots.fits(1):
             raise CapacityError(f"all {self.slots} state slots are in use")
-        slot = self.free.pop()
+        (slot,) = self._slots.alloc(1)
         self.reset(slot)
         return slot
 
     def give_back(self, slot: int) -> None:
-        self.free.append(slot)
+        self._slots.decref([slot])
 
     def reset(self, slot: int) -> None:
         for t in self._tensors():

@@ -16,7 +16,8 @@ import functools
 
 import torch
 
-from superfluid.engine.config import ModelConfig, rope_cos_sin
+from superfluid.engine.config import ModelConfig
+from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import AttnBatch, heads_major
 from superfluid.kernels.backend import Backend
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .config import ARCHITECTURES, ModelConfig
+from .config import ModelConfig
+from .config_json import ARCHITECTURES
 from .weights import INDEX_FILE, expected_shapes
 
 __all__ = ["MAMBA2", "SMALL", "SPECIAL_TOKENS", "TINY", "TINY_MAMBA2", "default_model_dir", "tiny_config",

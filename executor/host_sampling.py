@@ -24,6 +24,7 @@ import numpy as np
 
 from superfluid.abi import MAX_TOP_LOGPROBS, Sampling
 from superfluid.kernels import reference_sampler as reference
+from superfluid.kernels.bitmask import apply_bitmask_row
 
 PENALTY_WINDOW = 64
 """Penalties look at this many of the lane's most recent committed tokens."""
@@ -257,7 +258,7 @@ def pick(row: np.ndarray, sampling_mode: int, params: SamplingParamsLike, positi
         return x
 
     if mask is not None:
-        reference.apply_bitmask(writable(), mask)
+        apply_bitmask_row(writable(), mask)
     if grammar is not None:
         grammar.mask(writable())
     if bias is not None and _bias_len(bias):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 try:
@@ -211,31 +210,6 @@ def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         raise IndexError("embed: a token outside the table")
     _check(lib.sf_embed(_v(table), int(table.dtype == torch.bfloat16), d, _i64(ids), n, _f(out)), "sf_embed")
     return out
-
-
-def apply_bitmask(x: np.ndarray, bits: np.ndarray, rows: list[int] | None, out: np.ndarray) -> None:
-    """out = float32 x [B, V] with the tokens row rows[j] (None: row j) of x
-    may not take under bits[j] (int32 [n, ceil(V/32)]) at -inf; out may be x."""
-    B, V = x.shape
-    W = (V + 31) // 32
-    if x.dtype != np.float32 or out.dtype != np.float32 or out.shape != (B, V) or bits.dtype != np.int32 \
-            or bits.ndim != 2 or bits.shape[1] != W:
-        raise ValueError(f"apply_bitmask: x and out float32 [{B}, {V}], bits int32 [n, {W}]")
-    x, bits = np.ascontiguousarray(x), np.ascontiguousarray(bits)
-    if not out.flags.c_contiguous:
-        raise ValueError("apply_bitmask: out must be contiguous")
-    n = bits.shape[0]
-    r = ffi.NULL
-    if rows is not None:
-        if len(rows) != n or len(set(rows)) != n:
-            raise ValueError(f"apply_bitmask: {n} distinct rows for {n} masks, got {rows}")
-        keep = np.asarray(rows, dtype=np.int64)
-        r = ffi.cast("int64_t *", keep.ctypes.data)
-    elif n != B:
-        raise ValueError(f"apply_bitmask: {n} masks for {B} rows and no rows")
-    _check(lib.sf_apply_bitmask(ffi.cast("float *", x.ctypes.data), V, B, V,
-                                ffi.cast("int32_t *", bits.ctypes.data), W, r, n,
-                                ffi.cast("float *", out.ctypes.data), V), "sf_apply_bitmask")
 
 
 @dataclasses.dataclass

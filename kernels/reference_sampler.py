@@ -1,13 +1,16 @@
 """The reference sampler (numpy): the one algorithm behind every draw from a logits row (contract §5).
 
 One generator on every path. The host path (executor/host_sampling.py) draws
-with this module; the torch device sampler and the
-Triton kernel (kernels/sampling.py) implement the same algorithm, so the same
-row, params and position give the same token on every path.
+with this module; the torch device sampler and the Triton kernel
+(kernels/sampling.py, kernels/sampling_triton.py) implement the same
+algorithm, so the same row, params and position give the same token on
+every path.
 
 The algorithm. Inputs: `row` (float32, length V), temperature, top_k, top_p,
-min_p, position (u64). The grammar mask (apply_bitmask), logit bias and
-penalties have been applied to the row before (masked tokens are -inf).
+min_p, position (u64). The grammar mask, logit bias and penalties have
+been applied to the row before (masked tokens are -inf). The mask is
+kernels/bitmask.py's to apply; mask_allowed and apply_bitmask here are its
+plain form, the oracle the tests hold that against.
 
 - u = uniform(position) (kernels/rng.py): splitmix64 of the position, top 53
   bits scaled into [0, 1). The position is the only key.

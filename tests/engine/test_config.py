@@ -12,7 +12,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from superfluid.engine.config import ConfigError, ModelConfig, load_config, rope_cos_sin, rope_inv_freq
+from superfluid.engine.checkpoint import ConfigError
+from superfluid.engine.config import ModelConfig, load_config
+from superfluid.engine.rope_scaling import rope_cos_sin, rope_inv_freq
 from superfluid.engine.weights import expected_shapes
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,9 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
 from superfluid.engine import tiny
-from superfluid.engine.config import ConfigError, load_config, rope_inv_freq
+from superfluid.engine.checkpoint import ConfigError
+from superfluid.engine.config import load_config
+from superfluid.engine.rope_scaling import rope_inv_freq
 from superfluid.engine.tiny import SPECIAL_TOKENS, TINY, default_model_dir, tiny_config, tiny_tensors, write_tiny
 from superfluid.engine.weights import expected_shapes, load_weights
 
