@@ -255,7 +255,7 @@ def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> 
     from superfluid.abi import ParamFlag
     from superfluid.abi.records import SamplingParams
     from superfluid.client import Client
-    from superfluid.client.client import ClientError
+    from superfluid.client.session import ClientError
 
     d = Daemon(seg_name, ["--fake", "--fake-step-cost", "0.02"], handle_signals=False, stop_timeout=20.0)
     d.start()
