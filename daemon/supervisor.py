@@ -48,7 +48,8 @@ from superfluid.abi.records import WorkerNotice
 from superfluid.daemon.control import STOP
 from superfluid.rings.segment import Segment, SegmentConfig, segment_path
 
-from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
+from .metrics import WorkerMetrics
+from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
 from .status import worker_snapshot
 from .worker import EXIT_UNSERVABLE
