@@ -53,7 +53,7 @@ from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_r
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
 from .status import worker_snapshot
 from .worker import EXIT_UNSERVABLE
-from .worker_process import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, short_exit
+from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, short_exit
 
 log = logging.getLogger("superfluid.daemon")
 

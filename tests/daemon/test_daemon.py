@@ -23,7 +23,7 @@ from superfluid.client import PlanBuilder
 from superfluid.daemon.serve import parse_crash_loop, runtime_argv
 from superfluid.daemon.supervisor import Daemon, restart_delay, segment_config_for
 from superfluid.daemon.worker import add_runtime_args
-from superfluid.daemon.worker_process import describe_exit
+from superfluid.daemon.worker_exits import describe_exit
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, SegmentConfig
 from superfluid.testing.daemon import WAIT_S, Serve, live_workers, segment_files, state_of, wait_for

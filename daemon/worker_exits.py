@@ -1,6 +1,6 @@
-"""A worker process as the daemon starts and ends it: what its exit codes
-mean, how an exit is told, and the parent-death signal that keeps it from
-outliving the daemon (daemon/supervisor.py runs the policy around them)."""
+"""How a worker process ends: what its exit codes mean, how an exit is told,
+and the parent-death signal that ends it with the daemon (daemon/supervisor.py
+runs the restart policy around them)."""
 
 from __future__ import annotations
 
