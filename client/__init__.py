@@ -2,24 +2,22 @@
 to a worker (Client), and the reference planner (Planner)."""
 
 from superfluid.client.builder import PlanBuilder, read_events, sampling_params
-from superfluid.client.client import (
-                                      Client,
-                                      ClientError,
-                                      ClientTimeout,
-                                      DaemonGone,
-                                      WorkerGaveUp,
-                                      WorkerRestarted,
-                                      WorkerTaken,
-)
+from superfluid.client.client import Client
 from superfluid.client.planner import (
                                       GPU_GREEDY,
                                       GPU_SAMPLE,
                                       HOST,
                                       Planner,
                                       PlannerError,
-                                      PlannerStats,
-                                      Report,
-                                      RequestResult,
+)
+from superfluid.client.planner_state import PlannerStats, Report, RequestResult
+from superfluid.client.session import (
+                                      ClientError,
+                                      ClientTimeout,
+                                      DaemonGone,
+                                      WorkerGaveUp,
+                                      WorkerRestarted,
+                                      WorkerTaken,
 )
 
 __all__ = [

@@ -29,7 +29,6 @@ serve_forever() on a thread that lives until the daemon is done.
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import errno
 import logging
@@ -37,7 +36,6 @@ import os
 import selectors
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -48,53 +46,20 @@ from typing import Any
 from superfluid.abi import WorkerState, codec, ffi
 from superfluid.abi.records import WorkerNotice
 from superfluid.daemon.control import STOP
-from superfluid.rings.errors import SegmentError
-from superfluid.rings.liveness import pid_alive
 from superfluid.rings.segment import Segment, SegmentConfig, segment_path
 
-from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
-from .status import segment_paths, worker_snapshot
+from .metrics import WorkerMetrics
+from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
+from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
+from .status import worker_snapshot
 from .worker import EXIT_UNSERVABLE
+from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, short_exit
 
 log = logging.getLogger("superfluid.daemon")
 
-# Worker exit codes (daemon/worker.py) and what they mean.
-EXIT_REASONS = {
-    0: "it left though not asked to stop",
-    2: "bad arguments, or a segment it cannot open",
-    3: "the model would not load",
-    4: "the model or its options can never be served: a restart would fail the same way",
-    70: "the runtime failed fatally",
-}
-
-EXIT_SPAWN_FAILED = 127  # the worker process could not be started at all
 READY_CHECK_S = 0.05  # how often a STARTING worker's state is looked at
-KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
 
-_PR_SET_PDEATHSIG = 1
 _COUNTERS_BYTES = ffi.sizeof("WorkerCounters")
-# Segment paths of the daemons running in this process: a second Daemon of the
-# same name here would replace the first one's live segments (the pid check
-# below cannot tell them apart).
-_IN_PROCESS: set[str] = set()
-_IN_PROCESS_LOCK = threading.Lock()
-
-
-def short_exit(status: int) -> str:
-    """'exit 3' or 'killed by signal 9'."""
-    return f"killed by signal {-status}" if status < 0 else f"exit {status}"
-
-
-def describe_exit(status: int) -> str:
-    """short_exit plus why: 'exit 3 (the model would not load)', 'killed by signal 9 (SIGKILL)'."""
-    if status < 0:
-        try:
-            why = signal.Signals(-status).name
-        except ValueError:
-            return short_exit(status)
-    else:
-        why = EXIT_REASONS.get(status, "")
-    return f"{short_exit(status)} ({why})" if why else short_exit(status)
 
 
 def restart_delay(failures: int, base: float, cap: float) -> float:
@@ -111,37 +76,6 @@ def segment_config_for(vocab_size: int, max_batch: int, base: SegmentConfig | No
     base = base or SegmentConfig()
     need = 2 * max(1, max_batch) * max(0, vocab_size)
     return dataclasses.replace(base, logits_floats=max(base.logits_floats, need))
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    # prctl's arguments are unsigned longs: without argtypes ctypes would pass
-    # C ints, leaving the registers' upper halves undefined.
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_prctl = _load_prctl()  # resolved in the parent: the child after fork only calls it
-
-
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A preexec_fn that makes the child die when `parent` does."""
-    prctl = _prctl
-    if prctl is None:
-        return None
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the daemon died before prctl took effect: nobody will signal us
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 @dataclasses.dataclass
@@ -206,7 +140,7 @@ class Daemon:
         self._stopping = False
         self._stop_requested = False  # set by stop(), from any thread
         self._restore_signals: Callable[[], None] = lambda: None
-        self._registered: str | None = None  # this daemon's key in _IN_PROCESS
+        self._registered: str | None = None  # this daemon's key in register_in_process
         self._started = False
         self._finished = False
         self._metrics: MetricsServer | None = None
@@ -252,7 +186,7 @@ class Daemon:
                 seg = Segment.create(self.name, i, self.segment_config, replace=True)
                 seg.header.fault_injection = int(self.fault_injection)
                 self._workers.append(_Worker(i, seg, metrics=WorkerMetrics.create(f"{self.name}.{i}")))
-            self._remove_stale_segments()
+            remove_stale_segments(self.name, self.n_workers)
             log.info("daemon %s (pid %d): %d worker(s), segments in %s, logits ring %d floats",
                      self.name, os.getpid(), self.n_workers, os.path.dirname(self._workers[0].seg.path),
                      self.segment_config.logits_floats)
@@ -423,7 +357,7 @@ class Daemon:
             # preexec_fn with threads about (metrics): it only calls prctl, getppid and kill,
             # which take no lock another thread could hold at fork time.
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.env, pass_fds=fds,
-                                    preexec_fn=_die_with_parent(os.getpid()))  # noqa: PLW1509
+                                    preexec_fn=die_with_parent(os.getpid()))  # noqa: PLW1509
         except (OSError, subprocess.SubprocessError) as e:
             ours.close()
             theirs.close()
@@ -593,8 +527,7 @@ class Daemon:
             return
         self._finished = True
         if self._registered is not None:
-            with _IN_PROCESS_LOCK:
-                _IN_PROCESS.discard(self._registered)
+            release_in_process(self._registered)
             self._registered = None
         self._stopping = True
         if kill_now:
@@ -625,44 +558,8 @@ class Daemon:
 
     def _check_no_live_daemon(self) -> None:
         """`replace=True` must only ever replace a dead daemon's segments."""
-        key = segment_path(self.name, 0)
-        with _IN_PROCESS_LOCK:
-            if key in _IN_PROCESS:
-                raise SegmentError(f"{key}: daemon {self.name!r} is running in this process; stop it first "
-                                   "or choose another name")
-            _IN_PROCESS.add(key)
-        self._registered = key
-        for _, path in segment_paths(self.name):
-            try:
-                with Segment.open_path(path) as seg:
-                    pid = int(seg.header.daemon_pid)
-            except SegmentError:
-                continue  # not a readable segment: Segment.create decides whether to replace it
-            if pid != os.getpid() and pid_alive(pid):
-                raise SegmentError(f"{path}: daemon {self.name!r} is running (pid {pid}); stop it first "
-                                   "or choose another --name")
-
-    def _remove_stale_segments(self) -> None:
-        """A dead daemon with more workers left higher-numbered segments:
-        status would show ghosts. Only ours: another user's file is named
-        in the log and left alone."""
-        for index, path in segment_paths(self.name):
-            if index < self.n_workers:
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-                log.warning("stale segment %s belongs to uid %d (not a file of ours): left alone", path, st.st_uid)
-                continue
-            log.info("removing stale segment %s", path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("stale segment %s: cannot remove it: %s", path, e.strerror)
+        self._registered = register_in_process(self.name)
+        check_no_live_daemon(self.name)
 
     # ------------------------------------------------------------- metrics
 

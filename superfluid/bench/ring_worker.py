@@ -122,7 +122,7 @@ def run(rounds: int, warmup: int, *, rust: bool = True, client_cpu: int | None =
     why it was skipped). The caller runs on client_cpu already."""
     binary, skipped_why = rust_binary() if rust else (None, "not asked (--no-rust)")
     name = f"bench-w{os.getpid()}-{secrets.token_hex(2)}"
-    from superfluid.client.client import ClientError
+    from superfluid.client.session import ClientError
     from superfluid.rings.errors import SegmentError
 
     proc = _start_daemon(name, worker_cpu)

@@ -24,7 +24,8 @@ from superfluid.abi.records import (
     TickEvents,
     TickPlan,
 )
-from superfluid.fuzz.plan_target import mutate, seed_corpus
+from superfluid.fuzz.plan_mutator import mutate
+from superfluid.fuzz.plan_target import seed_corpus
 from superfluid.testing.record_strategies import record
 
 native = codec._native

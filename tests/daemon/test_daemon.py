@@ -21,8 +21,9 @@ from superfluid.abi import MsgKind, WorkerState, codec
 from superfluid.cli import main as cli_main
 from superfluid.client import PlanBuilder
 from superfluid.daemon.serve import parse_crash_loop, runtime_argv
-from superfluid.daemon.supervisor import Daemon, describe_exit, restart_delay, segment_config_for
+from superfluid.daemon.supervisor import Daemon, restart_delay, segment_config_for
 from superfluid.daemon.worker import add_runtime_args
+from superfluid.daemon.worker_exits import describe_exit
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, SegmentConfig
 from superfluid.testing.daemon import WAIT_S, Serve, live_workers, segment_files, state_of, wait_for
@@ -254,7 +255,7 @@ def test_a_stop_drains_a_worker_that_always_has_a_plan_queued(seg_name: str) -> 
     from superfluid.abi import ParamFlag
     from superfluid.abi.records import SamplingParams
     from superfluid.client import Client
-    from superfluid.client.client import ClientError
+    from superfluid.client.session import ClientError
 
     d = Daemon(seg_name, ["--fake", "--fake-step-cost", "0.02"], handle_signals=False, stop_timeout=20.0)
     d.start()

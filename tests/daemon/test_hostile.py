@@ -26,8 +26,8 @@ import pytest
 from superfluid.abi import MAGIC, MsgKind, OpStatus, QueueKind, Sampling, Status, codec, ffi, lib
 from superfluid.cli import main as cli_main
 from superfluid.client import Client, PlanBuilder
-from superfluid.client.client import ClientError, ClientTimeout
 from superfluid.client.planner import Planner
+from superfluid.client.session import ClientError, ClientTimeout
 from superfluid.daemon.status import format_status, read_status
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.segment import Segment, shm_dir

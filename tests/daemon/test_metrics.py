@@ -25,7 +25,8 @@ from superfluid.abi.records import (
     TickPlan,
     TickTimings,
 )
-from superfluid.daemon.metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
+from superfluid.daemon.metrics import WorkerMetrics
+from superfluid.daemon.metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
 from superfluid.daemon.status import worker_snapshot
 from superfluid.testing.launch import python
 

@@ -15,8 +15,8 @@ import pytest
 
 from superfluid.abi import PLAN_SEQ_MAX, MsgKind, OpStatus, QueueKind, Status, WorkerState, codec, ffi
 from superfluid.client import Client, PlanBuilder
-from superfluid.client.client import ClientTimeout
 from superfluid.client.planner import Planner
+from superfluid.client.session import ClientTimeout
 from superfluid.daemon.status import read_status
 from superfluid.rings.segment import Segment, shm_dir
 from superfluid.testing.daemon import WAIT_S, Serve, start_fake, state_of, wait_for

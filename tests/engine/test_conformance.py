@@ -28,7 +28,7 @@ from superfluid.engine.runtime import (  # noqa: E402
     Unsupported,
 )
 from superfluid.testing import conformance
-from superfluid.testing.conformance import RuntimeFactory
+from superfluid.testing.runtime_harness import RuntimeFactory
 
 
 def _fake(name: str, **options) -> RuntimeFactory:
