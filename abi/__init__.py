@@ -1,7 +1,8 @@
 """The C ABI: records, constants and shared-memory primitives of superfluid.h.
 
 `ffi` and `lib` come from the cffi module compiled from the header; the
-enums and numpy record dtypes below are derived from it, never restated.
+enums and numpy record dtypes below are derived from it, never restated by
+hand (header_types.pyi, generated from them, states the enums for a type checker).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Plain-data Python records, one per struct of superfluid.h.
 
 Every class is made from the compiled header (field names, nesting, array
-lengths), so there is no second hand-written copy to drift. Records are
+lengths), so there is no second hand-written copy to drift (header_types.pyi,
+generated from these classes, states them for a type checker). Records are
 immutable named tuples; a Span field holds the decoded list (or bytes for
 message and payload spans) rather than the raw {offset, count}.
 """
