@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 LOCK := constraints.txt
 UV := uv==0.13.9
 
-.PHONY: setup test demo fuzz bench gpu-check lock vllm-venv clean
+.PHONY: setup test typecheck demo fuzz bench gpu-check lock vllm-venv clean
 
 # First the installer, then pyproject.toml's `setup` group (the build backend,
 # used without isolation so at the lock's versions, and torch==2.13.0: the CPU
@@ -28,10 +28,18 @@ $(STAMP): pyproject.toml setup.py $(LOCK) abi/superfluid.h abi/sf_ring.c abi/sf_
 
 setup: $(STAMP)
 
-# The linter first (seconds; its rules are pyproject.toml's [tool.ruff]), then the suite.
+# The linter first (seconds; its rules are pyproject.toml's [tool.ruff]), the type
+# checker (its settings: [tool.mypy]), then the suite.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(TYPECHECK)
 	$(PY) -m pytest -q
+
+# mypy sees superfluid.* through build/typecheck, a tree of links made from
+# pyproject.toml's package-dir (the editable install's mapping, which it cannot run).
+TYPECHECK = $(PY) -m superfluid.testing.typecheck_tree >/dev/null && $(VENV)/bin/mypy
+typecheck: $(STAMP)
+	$(TYPECHECK)
 
 demo: $(STAMP)
 	$(VENV)/bin/superfluid demo

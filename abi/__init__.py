@@ -1,18 +1,20 @@
 """The C ABI: records, constants and shared-memory primitives of superfluid.h.
 
 `ffi` and `lib` come from the cffi module compiled from the header; the
-enums and numpy record dtypes below are derived from it, never restated.
+enums and numpy record dtypes below are derived from it, never restated by
+hand (header_types.pyi, generated from them, states the enums for a type checker).
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 try:
-    from superfluid.abi._native import ffi, lib
+    from superfluid.abi._native import ffi as ffi, lib as lib
 except ImportError as e:  # pragma: no cover - only on a broken install
     raise ImportError(
         "superfluid.abi._native is not built; install the package (pip install -e .) "
@@ -36,33 +38,59 @@ def _constants(prefix: str) -> dict[str, int]:
     }
 
 
-def _enum(cls_name: str, prefix: str, exclude: tuple[str, ...] = (), flag: bool = False):
+def _enum(cls_name: str, prefix: str, exclude: tuple[str, ...] = (), flag: bool = False) -> type[enum.Enum]:
     members = {k: v for k, v in _constants(prefix).items() if not k.startswith(exclude or ("\0",))}
-    base = enum.IntFlag if flag else enum.IntEnum
-    return base(cls_name, sorted(members.items(), key=lambda kv: kv[1]), module=__name__)
+    base: enum.EnumMeta = enum.IntFlag if flag else enum.IntEnum
+    names: list[tuple[str, int]] = sorted(members.items(), key=lambda kv: kv[1])
+    return base(cls_name, names, module=__name__)
 
 
-Status = _enum("Status", "SF_STATUS_")
-TickStatus = _enum("TickStatus", "SF_TICK_")
-PlanFlag = _enum("PlanFlag", "SF_PLAN_", exclude=("FLAGS_ALL",), flag=True)
-CacheClass = _enum("CacheClass", "SF_CACHE_", exclude=("CLASSES_ALL", "LINE"), flag=True)
-Sampling = _enum("Sampling", "SF_SAMPLING_")
-ParamFlag = _enum("ParamFlag", "SF_PARAM_", exclude=("FLAGS_ALL",), flag=True)
-Determinism = _enum("Determinism", "SF_CLASS_")
-AdmitStatus = _enum("AdmitStatus", "SF_ADMIT_")
-Finish = _enum("Finish", "SF_FINISH_")
-Fault = _enum("Fault", "SF_FAULT_")
-ShedKind = _enum("ShedKind", "SF_SHED_", exclude=("REASON_",))
-ShedReason = _enum("ShedReason", "SF_SHED_REASON_")
-RingId = _enum("RingId", "SF_RING_")
-MsgKind = _enum("MsgKind", "SF_MSG_")
-OpKind = _enum("OpKind", "SF_OP_")
-OpStatus = _enum("OpStatus", "SF_OPST_")
-WorkerState = _enum("WorkerState", "SF_WORKER_")
-RuntimeFlag = _enum("RuntimeFlag", "SF_RT_", flag=True)
-WaitResult = _enum("WaitResult", "SF_WAIT_", exclude=("SLICE_NS",))
-QueueKind = _enum("QueueKind", "SF_QUEUE_")
-Connect = _enum("Connect", "SF_CONNECT_")
+if TYPE_CHECKING:  # the same enums, stated for a type checker (abi/gen_types.py)
+    from superfluid.abi.header_types import (
+        AdmitStatus as AdmitStatus,
+        CacheClass as CacheClass,
+        Connect as Connect,
+        Determinism as Determinism,
+        Fault as Fault,
+        Finish as Finish,
+        MsgKind as MsgKind,
+        OpKind as OpKind,
+        OpStatus as OpStatus,
+        ParamFlag as ParamFlag,
+        PlanFlag as PlanFlag,
+        QueueKind as QueueKind,
+        RingId as RingId,
+        RuntimeFlag as RuntimeFlag,
+        Sampling as Sampling,
+        ShedKind as ShedKind,
+        ShedReason as ShedReason,
+        Status as Status,
+        TickStatus as TickStatus,
+        WaitResult as WaitResult,
+        WorkerState as WorkerState,
+    )
+else:
+    Status = _enum("Status", "SF_STATUS_")
+    TickStatus = _enum("TickStatus", "SF_TICK_")
+    PlanFlag = _enum("PlanFlag", "SF_PLAN_", exclude=("FLAGS_ALL",), flag=True)
+    CacheClass = _enum("CacheClass", "SF_CACHE_", exclude=("CLASSES_ALL", "LINE"), flag=True)
+    Sampling = _enum("Sampling", "SF_SAMPLING_")
+    ParamFlag = _enum("ParamFlag", "SF_PARAM_", exclude=("FLAGS_ALL",), flag=True)
+    Determinism = _enum("Determinism", "SF_CLASS_")
+    AdmitStatus = _enum("AdmitStatus", "SF_ADMIT_")
+    Finish = _enum("Finish", "SF_FINISH_")
+    Fault = _enum("Fault", "SF_FAULT_")
+    ShedKind = _enum("ShedKind", "SF_SHED_", exclude=("REASON_",))
+    ShedReason = _enum("ShedReason", "SF_SHED_REASON_")
+    RingId = _enum("RingId", "SF_RING_")
+    MsgKind = _enum("MsgKind", "SF_MSG_")
+    OpKind = _enum("OpKind", "SF_OP_")
+    OpStatus = _enum("OpStatus", "SF_OPST_")
+    WorkerState = _enum("WorkerState", "SF_WORKER_")
+    RuntimeFlag = _enum("RuntimeFlag", "SF_RT_", flag=True)
+    WaitResult = _enum("WaitResult", "SF_WAIT_", exclude=("SLICE_NS",))
+    QueueKind = _enum("QueueKind", "SF_QUEUE_")
+    Connect = _enum("Connect", "SF_CONNECT_")
 PLAN_SEQ_MAX: int = lib.SF_PLAN_SEQ_MAX
 ECHO_BYTES: int = lib.SF_ECHO_BYTES
 
@@ -80,7 +108,7 @@ _PRIMITIVES = {
 }
 
 
-def _np_type(ctype):
+def _np_type(ctype: Any) -> np.dtype[Any]:
     if ctype.kind == "primitive":
         return np.dtype(_PRIMITIVES[ctype.cname])
     if ctype.kind == "array":
@@ -93,10 +121,10 @@ def _np_type(ctype):
     raise TypeError(f"no numpy type for {ctype.cname}")
 
 
-_DTYPES: dict[str, np.dtype] = {}
+_DTYPES: dict[str, np.dtype[Any]] = {}
 
 
-def record_dtype(name: str) -> np.dtype:
+def record_dtype(name: str) -> np.dtype[Any]:
     """A numpy structured dtype with the C layout of struct `name` (offsets
     and size from the compiler, through cffi); padding fields are kept out."""
     dt = _DTYPES.get(name)
@@ -115,4 +143,4 @@ def record_dtype(name: str) -> np.dtype:
 
 
 def sizeof(name: str) -> int:
-    return ffi.sizeof(name)
+    return int(ffi.sizeof(name))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from superfluid.abi import ffi, lib
 
@@ -49,11 +51,11 @@ def go_field(name: str) -> str:
     return "".join(p[:1].upper() + p[1:] for p in name.split("_"))
 
 
-def _go_type(t) -> str:
+def _go_type(t: Any) -> str:
     if t.kind == "primitive":
         return _PRIM[t.cname]
     if t.kind == "struct":
-        return t.cname.removeprefix("struct ")
+        return str(t.cname).removeprefix("struct ")
     if t.kind == "array":
         return f"[{t.length}]{_go_type(t.item)}"
     raise TypeError(f"no Go type for {t.cname}")
@@ -104,7 +106,7 @@ def layout_source() -> str:
     return "\n".join(out)
 
 
-def _copy(name: str):
+def _copy(name: str) -> Callable[[], str]:
     def make() -> str:
         with open(os.path.join(ABI_DIR, name), encoding="utf-8") as f:
             return f.read()

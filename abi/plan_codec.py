@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from math import isfinite as _isfinite
 from typing import Any
 
@@ -26,7 +27,20 @@ from superfluid.abi import (
     codec,
     ffi,
 )
-from superfluid.abi.records import TickEvents, TickPlan
+from superfluid.abi.records import (
+    LAYOUTS,
+    TOP_LEVEL,
+    LaneAdmit,
+    LanePrefill,
+    LaneRetire,
+    SamplingParams,
+    TickEvents,
+    TickPlan,
+)
+
+# A slot message as read (a slot is a memoryview; bytes from elsewhere), and one to write into.
+Message = bytes | bytearray | memoryview
+WritableMessage = bytearray | memoryview
 
 _SAMPLING = frozenset(int(s) for s in Sampling)
 _DETERMINISM = frozenset(int(d) for d in Determinism)
@@ -57,7 +71,7 @@ def _bounds(field: str, message: str) -> PlanReject:
     return PlanReject(Status.RejectBounds, field, message)
 
 
-def _no_duplicates(items, field: str) -> None:
+def _no_duplicates(items: Sequence[Any], field: str) -> None:
     seen: set[int] = set()
     for i, it in enumerate(items):
         tag = it.lane_tag
@@ -66,7 +80,7 @@ def _no_duplicates(items, field: str) -> None:
         seen.add(tag)
 
 
-def _check_params(p, field: str) -> None:
+def _check_params(p: SamplingParams, field: str) -> None:
     for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "freq_penalty"):
         v = getattr(p, name)
         if not math.isfinite(v):
@@ -109,8 +123,8 @@ def check_plan(plan: TickPlan) -> None:
                                  + p.freq_penalty)):
             _check_admits(admits)
             break
-    for p in prefills:
-        if p.token_offset + p.token_count > U32_MAX:
+    for pf in prefills:
+        if pf.token_offset + pf.token_count > U32_MAX:
             _check_prefills(prefills)
     for r in retires:
         if r.publish_to_cache > 1:
@@ -121,7 +135,7 @@ def check_plan(plan: TickPlan) -> None:
             _no_duplicates(items, field)
 
 
-def _check_admits(admits) -> None:
+def _check_admits(admits: Sequence[LaneAdmit]) -> None:
     for i, a in enumerate(admits):
         f = f"admits[{i}]"
         if a.lane_tag == 0:
@@ -135,24 +149,24 @@ def _check_admits(admits) -> None:
         _check_params(a.params, f"{f}.params")
 
 
-def _check_prefills(prefills) -> None:
+def _check_prefills(prefills: Sequence[LanePrefill]) -> None:
     for i, p in enumerate(prefills):
         if p.token_offset + p.token_count > U32_MAX:
             raise _bounds(f"prefills[{i}].token_count", "token_offset + token_count overflows u32")
 
 
-def _check_retires(retires) -> None:
+def _check_retires(retires: Sequence[LaneRetire]) -> None:
     for i, r in enumerate(retires):
         if r.publish_to_cache > 1:
             raise _illegal(f"retires[{i}].publish_to_cache", f"{r.publish_to_cache} is not 0 or 1")
 
 
-def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
+def decode_plan(buf: Message, *, in_process: bool = False) -> TickPlan:
     """A checked TickPlan from a slot message; PlanReject otherwise. Across
     processes (the default) the partial-emit function pointer is meaningless
     and is cleared."""
     try:
-        plan = codec.decode(buf, "TickPlan")
+        plan: TickPlan = codec.decode(buf, "TickPlan")
     except codec.CodecError as e:
         raise PlanReject(e.status, e.field, e.message) from None
     check_plan(plan)
@@ -162,8 +176,8 @@ def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
 
 
 _PLAN = codec.CODECS["TickPlan"]
-_PLAN_KIND = codec.TOP_LEVEL["TickPlan"]
-_PLAN_SPANS = tuple(i for i, f in enumerate(codec.LAYOUTS["TickPlan"]) if f.kind == "span")
+_PLAN_KIND = TOP_LEVEL["TickPlan"]
+_PLAN_SPANS = tuple(i for i, f in enumerate(LAYOUTS["TickPlan"]) if f.kind == "span")
 assert _PLAN.flat is False and len(_PLAN_SPANS) == 5 and tuple(range(8, 13)) == _PLAN_SPANS, _PLAN_SPANS
 assert TickPlan._fields[1:4] == ("plan_seq", "flags", "max_decode_lanes") and TickPlan._fields[5] == \
     "evictable_cache_classes"
@@ -181,7 +195,7 @@ assert [ffi.offsetof("TickPlan", f) for f in ("plan_seq", "max_decode_lanes", "e
                                                "on_partial_emit")] == [8, 20, 28, 48, 48 + _PLAN_SPANS_BYTES]
 
 
-def empty_plan(buf) -> tuple[int, int] | None:
+def empty_plan(buf: Message) -> tuple[int, int] | None:
     """(plan_seq, max_decode_lanes) of a slot message that is a TickPlan with
     no lists, no arena and nothing decode_plan would refuse: the executor's
     tick_empty can run it with no decoding. None for anything else, which
@@ -195,7 +209,7 @@ def empty_plan(buf) -> tuple[int, int] | None:
     return seq, max_lanes
 
 
-def plan_seq_of(buf) -> int:
+def plan_seq_of(buf: Message) -> int:
     """The plan_seq of a slot message, for answering a plan that did not
     decode (0 when even that cannot be read)."""
     try:
@@ -214,7 +228,7 @@ def reject_events(plan_seq: int, reject: PlanReject, *, epoch: int = 0, **fields
                       worker_epoch=epoch, **fields)
 
 
-def encode_events_into(buf, events: TickEvents, session: int = 0) -> int:
+def encode_events_into(buf: WritableMessage, events: TickEvents, session: int = 0) -> int:
     return codec.encode_into(buf, "TickEvents", events, session=session)
 
 
@@ -241,7 +255,8 @@ assert _BARE_SEQ == _SESSION_AT + 16 and ffi.sizeof("TickMemCounters") == 48
 assert _BARE_MEM == _BARE_WALL + 32 and _BARE_EPOCH == _BARE_MEM + 48  # (tests/abi: bytes equal encode_events_into's)
 
 
-def encode_bare_events_into(buf, plan_seq: int, wall_ns: int, mem, epoch: int, session: int) -> None:
+def encode_bare_events_into(buf: WritableMessage, plan_seq: int, wall_ns: int, mem: Sequence[int], epoch: int,
+                            session: int) -> None:
     """What encode_events_into writes for an OK TickEvents with no lists, no
     op completions and no message (an empty plan's), at a few stores' cost."""
     buf[:len(_BARE)] = _BARE
@@ -250,5 +265,6 @@ def encode_bare_events_into(buf, plan_seq: int, wall_ns: int, mem, epoch: int, s
     _BARE_TAIL.pack_into(buf, _BARE_WALL, wall_ns, _BARE_T1, _BARE_T2, _BARE_T3, a, b, c, d, e, f, epoch)
 
 
-def decode_events(buf) -> TickEvents:
-    return codec.decode(buf, "TickEvents")
+def decode_events(buf: Message) -> TickEvents:
+    events: TickEvents = codec.decode(buf, "TickEvents")
+    return events

@@ -1,7 +1,8 @@
 """Plain-data Python records, one per struct of superfluid.h.
 
 Every class is made from the compiled header (field names, nesting, array
-lengths), so there is no second hand-written copy to drift. Records are
+lengths), so there is no second hand-written copy to drift (header_types.pyi,
+generated from these classes, states them for a type checker). Records are
 immutable named tuples; a Span field holds the decoded list (or bytes for
 message and payload spans) rather than the raw {offset, count}.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from superfluid.abi import ffi, lib
 
@@ -95,6 +96,7 @@ CLASSES: dict[str, type] = {}
 
 def _default(f: _Field) -> Any:
     if f.kind == "struct":
+        assert isinstance(f.sub, str)
         return CLASSES[f.sub]()
     if f.kind == "array":
         return (0,) * f.length
@@ -108,10 +110,12 @@ def _default(f: _Field) -> Any:
 def _make_class(name: str) -> type:
     layout = _layout(name)
     for f in layout:
-        if f.kind == "struct" and f.sub not in CLASSES:
+        if f.kind == "struct" and isinstance(f.sub, str) and f.sub not in CLASSES:
             CLASSES[f.sub] = _make_class(f.sub)
     LAYOUTS[name] = layout
-    cls = collections.namedtuple(name, [f.name for f in layout], defaults=[_default(f) for f in layout])
+    # Made from the header at run time; header_types.pyi states each class for a type checker.
+    names, defaults = [f.name for f in layout], [_default(f) for f in layout]
+    cls: type = collections.namedtuple(name, names, defaults=defaults)  # type: ignore[misc]
     cls.__doc__ = f"Record {name} of superfluid.h (fields: {', '.join(f.name for f in layout)})."
     cls.__module__ = __name__
     return cls
@@ -121,32 +125,62 @@ for _n in RECORD_NAMES:
     if _n not in CLASSES:
         CLASSES[_n] = _make_class(_n)
 
-RingRef = CLASSES["RingRef"]
-Span = CLASSES["Span"]
-MsgHeader = CLASSES["MsgHeader"]
-SamplingParams = CLASSES["SamplingParams"]
-LaneAdmit = CLASSES["LaneAdmit"]
-LanePrefill = CLASSES["LanePrefill"]
-LaneDecode = CLASSES["LaneDecode"]
-LaneCommit = CLASSES["LaneCommit"]
-LaneRetire = CLASSES["LaneRetire"]
-TickPlan = CLASSES["TickPlan"]
-AdmitResult = CLASSES["AdmitResult"]
-SpecStats = CLASSES["SpecStats"]
-LaneEmit = CLASSES["LaneEmit"]
-LaneFault = CLASSES["LaneFault"]
-ShedEntry = CLASSES["ShedEntry"]
-ShedReport = CLASSES["ShedReport"]
-OpCompletion = CLASSES["OpCompletion"]
-TickTimings = CLASSES["TickTimings"]
-TickMemCounters = CLASSES["TickMemCounters"]
-LaneLogprob = CLASSES["LaneLogprob"]
-TickEvents = CLASSES["TickEvents"]
-OpEvents = CLASSES["OpEvents"]
-QueueReset = CLASSES["QueueReset"]
-PartialEmit = CLASSES["PartialEmit"]
-WorkerNotice = CLASSES["WorkerNotice"]
-RuntimeDesc = CLASSES["RuntimeDesc"]
+if TYPE_CHECKING:  # the same classes, stated for a type checker (abi/gen_types.py)
+    from superfluid.abi.header_types import (
+        AdmitResult as AdmitResult,
+        LaneAdmit as LaneAdmit,
+        LaneCommit as LaneCommit,
+        LaneDecode as LaneDecode,
+        LaneEmit as LaneEmit,
+        LaneFault as LaneFault,
+        LaneLogprob as LaneLogprob,
+        LanePrefill as LanePrefill,
+        LaneRetire as LaneRetire,
+        MsgHeader as MsgHeader,
+        OpCompletion as OpCompletion,
+        OpEvents as OpEvents,
+        PartialEmit as PartialEmit,
+        QueueReset as QueueReset,
+        RingRef as RingRef,
+        RuntimeDesc as RuntimeDesc,
+        SamplingParams as SamplingParams,
+        ShedEntry as ShedEntry,
+        ShedReport as ShedReport,
+        Span as Span,
+        SpecStats as SpecStats,
+        TickEvents as TickEvents,
+        TickMemCounters as TickMemCounters,
+        TickPlan as TickPlan,
+        TickTimings as TickTimings,
+        WorkerNotice as WorkerNotice,
+    )
+else:
+    RingRef = CLASSES["RingRef"]
+    Span = CLASSES["Span"]
+    MsgHeader = CLASSES["MsgHeader"]
+    SamplingParams = CLASSES["SamplingParams"]
+    LaneAdmit = CLASSES["LaneAdmit"]
+    LanePrefill = CLASSES["LanePrefill"]
+    LaneDecode = CLASSES["LaneDecode"]
+    LaneCommit = CLASSES["LaneCommit"]
+    LaneRetire = CLASSES["LaneRetire"]
+    TickPlan = CLASSES["TickPlan"]
+    AdmitResult = CLASSES["AdmitResult"]
+    SpecStats = CLASSES["SpecStats"]
+    LaneEmit = CLASSES["LaneEmit"]
+    LaneFault = CLASSES["LaneFault"]
+    ShedEntry = CLASSES["ShedEntry"]
+    ShedReport = CLASSES["ShedReport"]
+    OpCompletion = CLASSES["OpCompletion"]
+    TickTimings = CLASSES["TickTimings"]
+    TickMemCounters = CLASSES["TickMemCounters"]
+    LaneLogprob = CLASSES["LaneLogprob"]
+    TickEvents = CLASSES["TickEvents"]
+    OpEvents = CLASSES["OpEvents"]
+    QueueReset = CLASSES["QueueReset"]
+    PartialEmit = CLASSES["PartialEmit"]
+    WorkerNotice = CLASSES["WorkerNotice"]
+    RuntimeDesc = CLASSES["RuntimeDesc"]
 
 NO_REF = RingRef()
 
@@ -154,4 +188,4 @@ __all__ = ["SPAN_ITEMS", "RECORD_NAMES", "TOP_LEVEL", "LAYOUTS", "CLASSES", "NO_
     RECORD_NAMES
 )
 
-Converter = Callable[[tuple], Any]
+Converter = Callable[[tuple[Any, ...]], Any]

@@ -9,11 +9,17 @@ returned torn.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+import numpy.typing as npt
 
 from superfluid.abi import RingId, Status, ffi, lib
 from superfluid.abi.records import RingRef
 from superfluid.rings.errors import RefError
+
+if TYPE_CHECKING:
+    from superfluid.rings.segment import Segment
 
 ELEMENT_DTYPE = {
     RingId.PROMPT: np.dtype("<u4"),
@@ -22,7 +28,7 @@ ELEMENT_DTYPE = {
 }
 
 
-def _cref(ref):
+def _cref(ref: RingRef) -> Any:
     """The C RingRef, or None when a field does not fit its width."""
     try:
         return ffi.new("RingRef *", tuple(ref))
@@ -36,7 +42,7 @@ class DataRing:
 
     __slots__ = ("_ref_out", "_seg", "_view", "capacity", "dtype", "ring_id")
 
-    def __init__(self, seg, base_ptr, nbytes: int, geometry: tuple[int, int] | None = None):
+    def __init__(self, seg: Segment, base_ptr: Any, nbytes: int, geometry: tuple[int, int] | None = None):
         """`geometry`: (ring_id, capacity) known from elsewhere, used and
         written over the shared header (see SlotQueue)."""
         self._seg = seg
@@ -62,9 +68,9 @@ class DataRing:
     def head(self) -> int:
         """Elements written so far, skipped tails included."""
         self._live()
-        return lib.sf_load_acquire_u64(ffi.addressof(self._view.r, "head"))
+        return int(lib.sf_load_acquire_u64(ffi.addressof(self._view.r, "head")))
 
-    def write(self, values) -> RingRef:
+    def write(self, values: npt.ArrayLike) -> RingRef:
         """Append `values` (one contiguous run) and return its reference."""
         self._live()
         arr = np.ascontiguousarray(values, dtype=self.dtype)

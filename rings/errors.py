@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from superfluid.abi import Status
+
+if TYPE_CHECKING:
+    from superfluid.abi.records import RingRef
 
 
 class RingError(Exception):
@@ -23,7 +28,7 @@ class PeerGone(RingError):
     restart) or it is stopped, dead or given up. `epoch` is the segment's
     epoch now, `state` its worker state."""
 
-    def __init__(self, epoch: int, state: int, expected_epoch: int):
+    def __init__(self, epoch: int, state: int, expected_epoch: int | None):
         super().__init__(f"worker epoch {expected_epoch} is gone (epoch now {epoch}, state {state})")
         self.epoch = epoch
         self.state = state
@@ -38,7 +43,7 @@ class RefError(RingError):
     """A RingRef that cannot be read: `status` is RejectBounds or
     RejectBadRefGeneration."""
 
-    def __init__(self, status: int, ref, message: str):
+    def __init__(self, status: int, ref: RingRef | None, message: str):
         super().__init__(f"{Status(status).name}: {message} ({ref})")
         self.status = Status(status)
         self.ref = ref

@@ -11,10 +11,14 @@ state between slices so a dead peer never blocks anyone for good.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from superfluid.abi import WaitResult, codec, ffi, lib
 from superfluid.rings.errors import PeerGone, SegmentClosed, StopRequested
+
+if TYPE_CHECKING:
+    from superfluid.rings.segment import Segment
 
 # How long a waiter spins before it sleeps: a futex wake costs tens of µs on
 # a VM, more than a Python peer's turnaround, so the common answer should
@@ -24,13 +28,15 @@ DEFAULT_SPIN_NS = 200_000
 # spell is forgotten within a few quick answers.
 _LONG_WAIT_BUDGETS = 4
 
-_reserve_at = lib.sf_queue_reserve_at
-_peek_at = lib.sf_queue_peek_at
-_wait_reserve = lib.sf_queue_wait_reserve
-_wait_peek = lib.sf_queue_wait_peek
-_publish = lib.sf_queue_publish
-_now_ns = lib.sf_monotonic_ns
-_release = lib.sf_queue_release
+# The C calls of the hot paths, typed as superfluid.h declares them (a view is a cffi pointer).
+_Wait = Callable[[Any, Any, int, int, int, int], int]  # (view, header, epoch, watch_stop, timeout_ns, spin_ns)
+_reserve_at: Callable[[Any], int] = lib.sf_queue_reserve_at
+_peek_at: Callable[[Any], int] = lib.sf_queue_peek_at
+_wait_reserve: _Wait = lib.sf_queue_wait_reserve
+_wait_peek: _Wait = lib.sf_queue_wait_peek
+_publish: Callable[[Any], int] = lib.sf_queue_publish
+_now_ns: Callable[[], int] = lib.sf_monotonic_ns
+_release: Callable[[Any], int] = lib.sf_queue_release
 _TIMEOUT, _GONE = -int(WaitResult.TIMEOUT), -int(WaitResult.GONE)
 # A long wait returns to Python this often, so signal handlers (Ctrl-C) run.
 _SIGNAL_SLICE_S = 0.1
@@ -71,7 +77,7 @@ class SlotQueue:
 
     __slots__ = ("_seg", "_slots", "_view", "n_slots", "name", "slot_bytes", "spin")
 
-    def __init__(self, seg, base_ptr, nbytes: int, name: str, geometry: tuple[int, int] | None = None):
+    def __init__(self, seg: Segment, base_ptr: Any, nbytes: int, name: str, geometry: tuple[int, int] | None = None):
         """`geometry`: (n_slots, slot_bytes) known from elsewhere (the worker,
         told by the daemon): used, and written over the shared header, so what
         a planner writes there cannot move an index."""
@@ -144,13 +150,13 @@ class SlotQueue:
     def head(self) -> int:
         if self._seg.closed:
             raise self._closed()
-        return lib.sf_load_acquire_u64(ffi.addressof(self._view.q, "head"))
+        return int(lib.sf_load_acquire_u64(ffi.addressof(self._view.q, "head")))
 
     @property
     def tail(self) -> int:
         if self._seg.closed:
             raise self._closed()
-        return lib.sf_load_acquire_u64(ffi.addressof(self._view.q, "tail"))
+        return int(lib.sf_load_acquire_u64(ffi.addressof(self._view.q, "tail")))
 
     def invalidate(self) -> None:
         """Release the slot views (the segment is being unmapped): a slot still
@@ -202,7 +208,7 @@ class SlotQueue:
 
     # --------------------------------------------------------------- waits
 
-    def _waited(self, fn, timeout: float | None, epoch: int | None, watch_stop: bool,
+    def _waited(self, fn: _Wait, timeout: float | None, epoch: int | None, watch_stop: bool,
                 spin_ns: int | None) -> memoryview:
         if self._seg.closed:
             raise self._closed()

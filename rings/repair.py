@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 from superfluid.abi import ABI_VERSION, MAGIC, ffi, lib
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import _QUEUES, _RINGS, HEADER_BYTES, _plan_layout
+from superfluid.rings.segment import _QUEUES, _RINGS, HEADER_BYTES, Segment, _plan_layout
 
 
-def _put(fixed: list[str], obj, field: str, want, label: str) -> None:
+def _put(fixed: list[str], obj: Any, field: str, want: object, label: str) -> None:
     got = getattr(obj, field)
     if got != want:
         fixed.append(f"{label} was {got!r}, now {want!r}")
         setattr(obj, field, want)
 
 
-def repair(seg, *, fault_injection: bool = False) -> list[str]:
+def repair(seg: Segment, *, fault_injection: bool = False) -> list[str]:
     """Identity, layout, queue and ring geometry, impossible queue counters
     and the stop report, as the daemon made them (`seg.config`)."""
     if seg.config is None:
@@ -45,7 +46,7 @@ def repair(seg, *, fault_injection: bool = False) -> list[str]:
     return fixed
 
 
-def repair_identity(seg, name: str, index: int, daemon_pid: int) -> list[str]:
+def repair_identity(seg: Segment, name: str, index: int, daemon_pid: int) -> list[str]:
     """Line 0 and the daemon's pid: what a planner checks before it connects
     (the worker puts it back as it knew it at its start)."""
     h = seg.header
@@ -66,7 +67,7 @@ def repair_identity(seg, name: str, index: int, daemon_pid: int) -> list[str]:
     return fixed
 
 
-def repair_geometry(seg) -> list[str]:
+def repair_geometry(seg: Segment) -> list[str]:
     """The layout and the queue and ring geometry from `seg.config` (nothing
     without one)."""
     cfg = seg.config

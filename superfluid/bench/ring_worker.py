@@ -109,8 +109,8 @@ def rust_row(binary: Path, name: str, rounds: int, warmup: int, cpu: int | None)
             "worker_wall_p50_us": _us(got["worker_wall_p50_ns"])}
 
 
-def skipped(why: str) -> dict[str, Any]:
-    """The rows' keys when they were not measured."""
+def skipped(why: str | None) -> dict[str, Any]:
+    """The rows' keys when they were not measured (`why` None: they were)."""
     return {"worker_rt_python_p50_us": None, "worker_rt_python_p99_us": None, "worker_tick_wall_p50_us": None,
             "worker_rt_rust_p50_us": None, "worker_rt_rust_p99_us": None, "worker_rt_rust_mean_us": None,
             "worker_tick_wall_rust_p50_us": None, "worker_rust_skipped": why, "worker_rounds": 0}

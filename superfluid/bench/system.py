@@ -78,7 +78,7 @@ class LoadMeter:
         wall = time.monotonic() - self.t0
         busy, own = _busy_jiffies(), _own_jiffies()
         share = None
-        if None not in (busy, own, self.busy0, self.own0) and wall > 0:
+        if busy is not None and own is not None and self.busy0 is not None and self.own0 is not None and wall > 0:
             ticks = os.sysconf("SC_CLK_TCK") * wall * (os.cpu_count() or 1)
             share = round(max(0.0, (busy - self.busy0) - (own - self.own0)) / ticks, 4)
         return {"loadavg_before": [round(v, 2) for v in self.load_before],
