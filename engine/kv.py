@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from superfluid.engine.blocks import BlockPool
+from superfluid.engine.blocks import BlockPool, Holder
 
 
 @dataclasses.dataclass
@@ -82,7 +82,7 @@ class KVPool(BlockPool):
 
     # --------------------------------------------------------- sequences
 
-    def grow(self, seq: SeqState, n: int) -> tuple[int, int] | None:
+    def grow(self, seq: Holder, n: int) -> tuple[int, int] | None:
         """BlockPool.grow, the shared partial block's cells copied into its fresh one."""
         if (moved := super().grow(seq, n)) is not None:
             self.copy_block(*moved)

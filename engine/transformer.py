@@ -294,6 +294,7 @@ class TransformerRuntime(Runtime):
 
     def mem_counters(self) -> MemCounters:
         p = self.pool
+        assert p.n_blocks is not None  # a KV pool always has a size
         mirrors = self._mirrors.bytes if self._mirrors else 0
         return MemCounters((p.n_blocks - 1) * p.page, p.n_used * p.page,
                            p.allocated_bytes + self.model.weight_bytes + mirrors, len(self.seqs))

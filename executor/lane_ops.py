@@ -33,7 +33,7 @@ MAX_LISTED_RETIRES = 1024  # more retired tags than this: the count only, never 
 def _held(ex: Executor) -> list[tuple[int, Lane | None, str]]:
     """Every lane a retire may name, by tag: (tag, lane, state). A faulted
     lane is as it was when it faulted (its sequence is gone)."""
-    rows = [(t, ln, ln.phase) for t, ln in ex.lanes.items()]
+    rows: list[tuple[int, Lane | None, str]] = [(t, ln, ln.phase) for t, ln in ex.lanes.items()]
     rows += [(t, ex.lanes.faulted.lanes.get(t), "faulted") for t in ex.lanes.faulted]
     rows.sort(key=lambda r: r[0])
     return rows

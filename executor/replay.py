@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from superfluid.executor.executor import Executor
 
 
+def _held_token(token: int | None) -> int:
+    assert token is not None  # only lanes holding a token are replayed here
+    return token
+
+
 class ReplayPhase:
     """The replay part of a Tick's decode (DecodePhase calls it; tick.py holds the rest)."""
 
@@ -70,7 +75,7 @@ class ReplayPhase:
         step = max(1, ex.desc.max_batch)
         for i in range(0, len(held), step):
             chunk = held[i:i + step]
-            feeds = [Feed(ex.lanes[tag].seq, [ex.lanes[tag].pending_input], False, True) for tag in chunk]
+            feeds = [Feed(ex.lanes[tag].seq, [_held_token(ex.lanes[tag].pending_input)], False, True) for tag in chunk]
             if self.step(feeds, chunk, "a decode replay") is None:
                 for tag in chunk:
                     remaining.pop(tag, None)

@@ -12,9 +12,11 @@ Without Triton, sample_kernel is None.
 
 from __future__ import annotations
 
+from typing import Any
+
 from superfluid.kernels.triton_import import tl, triton
 
-sample_kernel = None
+sample_kernel: Any = None  # the @triton.jit kernel below, where Triton is installed
 
 if triton is not None:
     _MAX_I64 = tl.constexpr(0x7FFFFFFFFFFFFFFF)

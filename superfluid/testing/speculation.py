@@ -13,6 +13,7 @@ import numpy as np
 from superfluid.abi import Finish, OpStatus, PlanFlag
 from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine.fake import FakeRuntime
+from superfluid.executor.rings import LocalRings
 from superfluid.testing.executor import BIG_BUDGET, GREEDY, emit_of, emitted, put
 from superfluid.testing.invariants import check_invariants
 
@@ -97,11 +98,13 @@ class Driver:
             b.decode(tag, n, over)
         streamed: list[tuple[int, int]] = []
         ex.partial_sink = lambda seq, tag, tok, idx: streamed.append((tag, tok))
-        ex.rings.yield_flag = yield_
+        rings = ex.rings
+        assert isinstance(rings, LocalRings)  # the in-process rings carry the yield flag
+        rings.yield_flag = yield_
         try:
             res = ex.tick(b.build())
         finally:
-            ex.rings.yield_flag = False
+            rings.yield_flag = False
         assert res.ok, res.message
         assert not res.events.faults, res.events.faults
         check_invariants(ex)
