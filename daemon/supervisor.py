@@ -49,8 +49,10 @@ from superfluid.abi import WorkerState, codec, ffi
 from superfluid.abi.records import WorkerNotice
 from superfluid.daemon.control import STOP
 from superfluid.rings.errors import SegmentError
+from superfluid.rings.layout import SegmentConfig
 from superfluid.rings.liveness import pid_alive
-from superfluid.rings.segment import Segment, SegmentConfig, segment_path
+from superfluid.rings.naming import segment_path
+from superfluid.rings.segment import Segment
 
 from .metrics import DaemonCounters, MetricsServer, WorkerMetrics, exit_reason, make_registry
 from .status import segment_paths, worker_snapshot

@@ -24,7 +24,8 @@ from superfluid.daemon.serve import parse_crash_loop, runtime_argv
 from superfluid.daemon.supervisor import Daemon, describe_exit, restart_delay, segment_config_for
 from superfluid.daemon.worker import add_runtime_args
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.rings.layout import SegmentConfig
+from superfluid.rings.segment import Segment
 from superfluid.testing.daemon import WAIT_S, Serve, live_workers, segment_files, state_of, wait_for
 
 
