@@ -26,7 +26,7 @@ from superfluid.abi import (
     codec,
     ffi,
 )
-from superfluid.abi.records import TickEvents, TickPlan
+from superfluid.abi.records import LAYOUTS, TOP_LEVEL, TickEvents, TickPlan
 
 _SAMPLING = frozenset(int(s) for s in Sampling)
 _DETERMINISM = frozenset(int(d) for d in Determinism)
@@ -162,8 +162,8 @@ def decode_plan(buf, *, in_process: bool = False) -> TickPlan:
 
 
 _PLAN = codec.CODECS["TickPlan"]
-_PLAN_KIND = codec.TOP_LEVEL["TickPlan"]
-_PLAN_SPANS = tuple(i for i, f in enumerate(codec.LAYOUTS["TickPlan"]) if f.kind == "span")
+_PLAN_KIND = TOP_LEVEL["TickPlan"]
+_PLAN_SPANS = tuple(i for i, f in enumerate(LAYOUTS["TickPlan"]) if f.kind == "span")
 assert _PLAN.flat is False and len(_PLAN_SPANS) == 5 and tuple(range(8, 13)) == _PLAN_SPANS, _PLAN_SPANS
 assert TickPlan._fields[1:4] == ("plan_seq", "flags", "max_decode_lanes") and TickPlan._fields[5] == \
     "evictable_cache_classes"
