@@ -27,7 +27,7 @@ RECORDS = ("RingRef", "Span", "MsgHeader", "SamplingParams", "LaneAdmit", "LaneP
            "LaneRetire", "TickPlan", "AdmitResult", "SpecStats", "LaneEmit", "LaneFault", "ShedEntry", "ShedReport",
            "OpCompletion", "TickTimings", "TickMemCounters", "LaneLogprob", "TickEvents", "OpEvents", "QueueReset",
            "PartialEmit", "WorkerNotice", "RuntimeDesc", "Queue", "DataRing", "SegmentLayout", "WorkerCounters",
-           "SegmentHeader", "QueueView", "RingView")
+           "SegmentHeader", "QueueView", "RingView", "SegmentMap")
 _PRIM = {"uint8_t": "u8", "uint16_t": "u16", "uint32_t": "u32", "uint64_t": "u64", "int8_t": "i8", "int16_t": "i16",
          "int32_t": "i32", "int64_t": "i64", "float": "f32", "double": "f64", "char": "u8", "int": "i32",
          "void": "()", "size_t": "usize", "_Bool": "bool"}

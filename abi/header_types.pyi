@@ -173,6 +173,9 @@ class Connect(enum.IntEnum):
     ABI = 3
     SIZE = 4
     OWNER = 5
+    NAME = 6
+    MISSING = 7
+    FILE = 8
 
 
 class RingRef(NamedTuple):

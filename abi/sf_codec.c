@@ -7,7 +7,7 @@
  * daemon path's cost over an in-process executor was these four calls. Here a
  * message touches a few KB of code and the records themselves.
  *
- * The layouts come from Python (codec.py's schema, read from cffi), so this
+ * The layouts come from Python (packers.py's schema, read from cffi), so this
  * file knows no record. It does what codec.py's pure-Python path does, byte for
  * byte, for the common inputs; anything else -- a value out of range, a type it
  * does not take, a span that breaks a rule, a message that does not fit --
@@ -437,7 +437,7 @@ static void free_recs(void) {
 }
 
 /* setup(schema): schema[i] = (cls, size, has_struct_size, fields), each field
- * (kind, offset, code, length, sub) as codec.py builds them. */
+ * (kind, offset, code, length, sub) as packers.py builds them. */
 static PyObject *py_setup(PyObject *self, PyObject *schema) {
     if (!PyTuple_Check(schema)) {
         PyErr_SetString(PyExc_TypeError, "schema must be a tuple");
@@ -507,7 +507,7 @@ bad:
 }
 
 static PyMethodDef methods[] = {
-    {"setup", py_setup, METH_O, "setup(schema): the record layouts (codec.py builds them)."},
+    {"setup", py_setup, METH_O, "setup(schema): the record layouts (packers.py builds them)."},
     {"encode_into", (PyCFunction)(void (*)(void))py_encode_into, METH_FASTCALL,
      "encode_into(buf, index, record, kind, session) -> bytes written, or None for codec.py to handle."},
     {"decode", (PyCFunction)(void (*)(void))py_decode, METH_FASTCALL,

@@ -18,8 +18,14 @@
  * its struct_size both equal its own sizeof; anything else is refused, never guessed
  * at (a plan: RejectBounds naming the field; the Python client drops an event it
  * cannot decode, logged). Any layout change bumps SF_ABI_VERSION, and
- * sf_segment_check refuses a segment of another version (SF_CONNECT_ABI): an older
- * or a newer side stops at connect, never at its first plan.
+ * sf_segment_check refuses a segment of another version (SF_CONNECT_ABI). It
+ * compares with the SF_ABI_VERSION of the header it was compiled with, not with
+ * the one the client's code was written for: a client rebuilt from a newer
+ * checkout connects and fails later (a v1 client's plans were StaleSession). So
+ * a client pins the version it speaks where it is built, and fails to compile
+ * against any other header:
+ *     SF_STATIC_ASSERT(SF_ABI_VERSION == 2, "written for ABI v2: port it");
+ * (C; client/rust/src/lib.rs and client/go/abi_version.go do the same).
  * Units, unless a comment says otherwise: times in ns (a *_ns stamp is
  * CLOCK_MONOTONIC, sf_monotonic_ns), sizes in bytes, token counts in tokens, ring
  * offsets and lengths in elements (4 bytes), a sequence's length in cells (1 token
@@ -352,10 +358,13 @@ typedef struct Span {
 } Span;
 
 /* Wire rules (every queue, every language):
- * - A slot is MsgHeader, then the record (record_bytes == its struct_size,
- *   exactly: see "Sizes and versions" at the top), then the arena from the next
- *   SF_ARENA_ALIGN boundary. The whole message fits the queue's slot_bytes (the
- *   daemon's choice: read it from the Queue header).
+ * - A slot is MsgHeader, then the record at SF_RECORD_OFFSET (record_bytes == its
+ *   struct_size, exactly: see "Sizes and versions" at the top), then the arena at
+ *   SF_ARENA_OFFSET(record_bytes), the next SF_ARENA_ALIGN boundary. arena_bytes is
+ *   exact, not rounded: the end of the last span's bytes (0: no arena); a reader
+ *   checks only that the arena fits the slot and each span lies inside it. The
+ *   whole message fits the queue's slot_bytes (the daemon's choice: read it from
+ *   the Queue header).
  * - A list is a Span into the arena: offset in bytes from the arena start
  *   (a multiple of SF_ARENA_ALIGN), count in records; an empty list is
  *   {0, 0}. Byte strings (message, payload) are spans of bytes.
@@ -374,11 +383,33 @@ typedef struct Span {
  *     answers to an earlier session's ops (stamped with that session).
  *   SF_MSG_WORKER (the daemon, session 0, only while no worker runs): DEAD or
  *     GAVE_UP with the dead worker's epoch when one ends, STARTING with the new
- *     epoch before a restart; left out when the queue is full (worker_epoch and
- *     worker_state in the header say the same). At a restart the daemon drops the
- *     plans and ops the dead worker had not read: no reply comes for them.
+ *     epoch before a restart (none before the first start; the daemon never sends
+ *     STOPPED); left out when the queue is full (worker_epoch and worker_state in
+ *     the header say the same). At a restart the daemon drops the plans and ops
+ *     the dead worker had not read: no reply comes for them. Against the epoch E
+ *     you talk to, a notice says your worker is gone when its worker_epoch > E
+ *     (any state: a STARTING notice of E + 1 means E died), or == E with DEAD,
+ *     GAVE_UP (or STOPPED); one of an epoch < E, or STARTING of E itself (the start
+ *     of the worker you talk to), is history: drop it. Notices from before you
+ *     connected wait on the event queue like any message: after sf_session_begin,
+ *     read what is queued without waiting and judge each notice by that rule
+ *     against the epoch sf_wait_ready returned (they are history unless your
+ *     worker died since); earlier sessions' replies among them are dropped by
+ *     their session (the Python and Go clients drain them at connect, the Rust
+ *     client as it reads).
  *   SF_MSG_RESET (the worker, session 0, ahead of its unsent replies): it found a
- *     queue's counters impossible and emptied it; what that queue held is gone.
+ *     queue's counters impossible (only a wrong write to that queue's counters
+ *     does that) and emptied it (tail = head); what that queue held is gone, and
+ *     nothing is resent: the plans and ops in it never get a reply (a plan never
+ *     read has none, contract §1.4), an event-queue reset drops replies to plans
+ *     that did run (their lanes changed), a stream reset loses only partial emits
+ *     (the TickEvents has every token). The worker's plan_seq check is unchanged:
+ *     the session's last accepted plan_seq stays, so a plan sent later must still
+ *     be above it (keep plan_seq growing; a plan the plan queue lost was never
+ *     accepted). A client cannot tell from the QueueReset which unanswered plans
+ *     ran: it stops waiting for them and, before resending, learns the lanes' state (LIST_LANES)
+ *     or retires and re-admits them with replay as after a restart (contract §9).
+ *     The Python, Rust and Go clients record it (queue_resets) and resend nothing.
  *   A TickEvents or OpEvents whose worker_epoch is below the worker's you talk to
  *   is a dead worker's answer: drop it.
  * - Stream queue: SF_MSG_PARTIAL, only for plans with SF_PLAN_PARTIAL_EMITS, a
@@ -386,10 +417,19 @@ typedef struct Span {
  *   then drops what does not fit; the plan's TickEvents still has every token.
  * - Waits: after sending, spin about 200 us (spin_ns 200000: a peer's turnaround),
  *   then sleep on the futex; idle, spin 0. Spin only while that queue's recent waits
- *   typically ended within about twice the spin (a running mean, 1/8 a wait, of waits
- *   each counted at most 4 spins): a wait that usually outlasts it (ticks of
- *   milliseconds) sleeps at once, leaving the core to the worker's threads; an empty
- *   tick is answered while spinning. The Python, Rust and Go clients do this (SpinBudget).
+ *   typically ended within about twice the spin: a wait that usually outlasts it
+ *   (ticks of milliseconds) sleeps at once, leaving the core to the worker's threads;
+ *   an empty tick is answered while spinning. The rule (SpinBudget in the Python,
+ *   Rust and Go clients), per queue and direction, in signed 64-bit ns:
+ *     1. keep budget = 200000 and typical = 0;
+ *     2. before a wait: spin_ns = budget if typical <= 2 * budget, else 0;
+ *     3. time the whole sf_queue_wait_* call with sf_monotonic_ns: took = after - before;
+ *     4. clamp took to [0, 4 * budget] (a long idle spell counts as 4 budgets);
+ *     5. typical += (took - typical) >> 3 (an arithmetic shift: floor of 1/8).
+ *   watch_stop: planners pass 0 (the Python, Rust and Go clients do): a daemon that
+ *   shuts down stops its workers, and the wait then says SF_WAIT_GONE; 1 ends the
+ *   wait at the daemon's first word of it (stop_requested: SF_WAIT_STOP), for a
+ *   caller that would rather not wait out the worker's last replies.
  *   The worker spins so for the next plan after each tick, and sleeps (spin 0) once
  *   a 5 ms slice passes with no plan. Heads-up: once a tick's model steps are done, the
  *   worker wakes a planner asleep on the event queue (sf_queue_heads_up, nothing
@@ -404,8 +444,10 @@ typedef struct Span {
  *   none), seconds in Python.
  */
 
-/* Leads every queue slot. The record starts right after it; the arena
- * starts at the next SF_ARENA_ALIGN boundary after the record. */
+/* Leads every queue slot. The record starts right after it (SF_RECORD_OFFSET);
+ * the arena at the next SF_ARENA_ALIGN boundary after the record. */
+#define SF_RECORD_OFFSET 24
+#define SF_ARENA_OFFSET(rb) (SF_RECORD_OFFSET + ((uint64_t)(rb) + SF_ARENA_ALIGN - 1) / SF_ARENA_ALIGN * SF_ARENA_ALIGN)
 typedef struct MsgHeader {
     uint32_t kind;          /* SF_MSG_*; producer sets */
     uint32_t record_bytes;  /* bytes of the record (its struct_size); 0 for SF_MSG_OP */
@@ -694,7 +736,7 @@ typedef struct SegmentLayout {
 typedef struct WorkerCounters {
     uint64_t ticks;           /* plans applied */
     uint64_t rejects;         /* plans rejected */
-    uint64_t last_plan_seq;  /* of the last accepted plan */
+    uint64_t last_plan_seq;  /* last plan_seq accepted in session_id below (0 before its first) */
     uint64_t live_lanes;  /* lanes admitted and not retired */
     uint64_t cache_entries;  /* prefix-cache entries */
     uint64_t cache_bytes;  /* their bytes in the pool */
@@ -762,9 +804,11 @@ typedef struct SegmentHeader {
  *    O_NOFOLLOW), fstat it, map all of it MAP_SHARED.
  * 2. Check it: sf_segment_check(). SF_CONNECT_ABI means the segment speaks
  *    another SF_ABI_VERSION: refuse it, never guess at its layout.
+ *    sf_segment_open() does steps 1 and 2 (and checks the name and index the
+ *    header holds); sf_segment_close() undoes them.
  * 3. Take it: sf_session_lock(fd), an exclusive non-blocking flock on the
  *    file, held for as long as the planner drives the worker. The kernel
- *    drops it when the process dies. -EWOULDBLOCK: another planner has it.
+ *    drops it when the process dies. -SF_EWOULDBLOCK: another planner has it.
  * 4. Wait for READY: sf_wait_ready() sleeps on the worker_state futex (the
  *    daemon and the worker wake it on every change) and returns the epoch.
  * 5. Start a session: sf_session_begin() bumps SegmentHeader.session_id
@@ -780,15 +824,33 @@ typedef struct SegmentHeader {
  *    starts afresh in every session: the first plan may carry any value up
  *    to SF_PLAN_SEQ_MAX, the next ones must grow.
  * 6. Lanes an earlier session left are still live: op LIST_LANES shows them
- *    (with the session that admitted each), RETIRE_LANES ends them.
+ *    (with the session that admitted each), RETIRE_LANES ends them. A lane
+ *    belongs to no session: any plan of the current session may decode,
+ *    commit to or retire it, and RETIRE_LANES ends any (all: true, with no
+ *    session, ends every held lane). An admit of a live tag rejects the whole
+ *    plan: RejectIllegalCombination naming admits[i].lane_tag ("lane N is
+ *    live"); a faulted, unretired tag may be admitted again. A client without
+ *    msgpack cannot read LIST_LANES' payload, but
+ *    WorkerCounters.live_lanes says how many are live, and the op
+ *    {"op": 14, "all": true} is the fixed bytes 82 a2 6f 70 0e a3 61 6c 6c c3
+ *    (its completion's value: lanes retired); or it keeps its tags apart from
+ *    every earlier session's: (session & 0xffffffff) << 32 | n, as the Rust and
+ *    Go clients do, which is safe only if earlier planners did the same.
  * 7. Watch the epoch: when worker_epoch changes, a wait says SF_WAIT_GONE, or
- *    an SF_MSG_WORKER arrives, the worker is gone, and its lanes, host rows,
+ *    an SF_MSG_WORKER says so ("Wire rules"), the worker is gone, and its lanes, host rows,
  *    leases and handles with it. sf_wait_ready with after_epoch = the old epoch
  *    waits for the next one; keep the session, keep plan_seq growing, and
  *    re-admit each lane with prompt + generated, decode_replay = generated,
  *    rng_counter_base = base + sampled (contract §9). It says SF_WAIT_GONE when no
  *    worker is coming: GAVE_UP (until the daemon is sent SIGHUP), STOPPED (the
  *    daemon shuts down: stop_requested), or the daemon is dead.
+ * 8. A stale segment: the file outlives a daemon that was killed (until the next
+ *    `serve` of that name replaces it), so sf_wait_ready on a segment just opened
+ *    may say SF_WAIT_GONE at once. worker_state GAVE_UP: the daemon lives; keep
+ *    the mapping and wait again later (SIGHUP restarts the worker). Otherwise
+ *    (STOPPED, or daemon_pid gone) that file is finished: sf_session_unlock,
+ *    sf_segment_close, and sf_segment_open the name again (with a timeout) to
+ *    find the next daemon's new file; never unlink it (it is the daemon's).
  *
  * The header is the worker's and the daemon's report: identity (line 0), worker
  * life (line 1), stop_requested, runtime, layout and counters; what a planner
@@ -805,13 +867,19 @@ typedef struct SegmentHeader {
  *   consumer_sleeping of the event and stream queues, the prompt ring.
  */
 
-/* sf_segment_check results. */
+/* sf_segment_check and sf_segment_open results. */
 #define SF_CONNECT_OK 0
 #define SF_CONNECT_SHORT 1   /* smaller than a SegmentHeader */
-#define SF_CONNECT_MAGIC 2   /* not a superfluid segment */
+#define SF_CONNECT_MAGIC 2   /* not a superfluid segment (or its magic is not written yet) */
 #define SF_CONNECT_ABI 3     /* another SF_ABI_VERSION (or header size) */
 #define SF_CONNECT_SIZE 4    /* segment_bytes is not the mapping's size */
-#define SF_CONNECT_OWNER 5   /* made by another user */
+#define SF_CONNECT_OWNER 5   /* made by another user (the header's owner_uid, or the file's) */
+#define SF_CONNECT_NAME 6    /* open: not a name or index a segment has, or the header names another */
+#define SF_CONNECT_MISSING 7 /* open: no such file (yet) */
+#define SF_CONNECT_FILE 8    /* open: a symlink, not a regular file, or a mode other than 0600 */
+/* sf_session_lock: -SF_EWOULDBLOCK when another process holds the lock (Linux's
+ * EWOULDBLOCK, which is EAGAIN). */
+#define SF_EWOULDBLOCK 11
 
 /* =========================================================== sf_ring.c */
 
@@ -823,7 +891,27 @@ void sf_store_release_u32(uint32_t *p, uint32_t v);
 uint64_t sf_fetch_add_u64(uint64_t *p, uint64_t v);
 uint64_t sf_monotonic_ns(void);
 
-/* Connect (see "sessions" above). check: SF_CONNECT_*. lock: 0, -EWOULDBLOCK
+/* A segment opened and mapped by sf_segment_open (process-local, not on the wire). */
+typedef struct SegmentMap {
+    SegmentHeader *seg;  /* the mapping's first byte; NULL when not open */
+    uint64_t bytes;      /* mapped bytes: the whole file */
+    int32_t fd;          /* O_RDWR | O_CLOEXEC; sf_session_lock takes it; -1 when not open */
+    uint32_t _pad0;
+} SegmentMap;
+
+/* Steps 1-2 of "sessions": open worker `index` of daemon `name`
+ * ($SUPERFLUID_SHM_DIR, else /dev/shm), as rings/segment.py opens it: the name
+ * and index checked, O_NOFOLLOW, fstat (a regular file of this user, mode 0600,
+ * at least a header), map all of it, sf_segment_check, then the header's name and
+ * worker_index. While the file is missing, short or has no magic yet, it retries
+ * every SF_WAIT_SLICE_NS until timeout_ns has passed (< 0: no deadline; 0: one
+ * try). SF_CONNECT_OK with *out filled; else an SF_CONNECT_* (the last try's), or
+ * -errno, with out->seg NULL and out->fd -1. close: unmap and close the fd
+ * (which drops the session lock); a closed or failed map may be closed again. */
+int sf_segment_open(const char *name, uint32_t index, int64_t timeout_ns, SegmentMap *out);
+void sf_segment_close(SegmentMap *m);
+
+/* Connect (see "sessions" above). check: SF_CONNECT_*. lock: 0, -SF_EWOULDBLOCK
  * when another process holds it, else -errno; unlock: 0 or -errno.
  * wait_ready: SF_WAIT_READY with *epoch set once the worker is READY with an
  * epoch above `after_epoch` (0: any), SF_WAIT_TIMEOUT, or SF_WAIT_GONE when
@@ -950,6 +1038,8 @@ void sf_ring_commit(RingView *v);
 SF_STATIC_ASSERT(sizeof(RingRef) == 24, "RingRef size");
 SF_STATIC_ASSERT(sizeof(Span) == 8, "Span size");
 SF_STATIC_ASSERT(sizeof(MsgHeader) == 24, "MsgHeader size");
+SF_STATIC_ASSERT(SF_RECORD_OFFSET == sizeof(MsgHeader), "the record follows the MsgHeader");
+SF_STATIC_ASSERT(SF_ARENA_OFFSET(1) == 32 && SF_ARENA_OFFSET(sizeof(TickPlan)) == 128, "SF_ARENA_OFFSET");
 SF_STATIC_ASSERT(sizeof(SamplingParams) == 32, "SamplingParams size");
 SF_STATIC_ASSERT(sizeof(LaneAdmit) == 120, "LaneAdmit size");
 SF_STATIC_ASSERT(offsetof(LaneAdmit, prompt) == 8, "LaneAdmit.prompt");

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import segment_bytes, shm_dir
+from superfluid.rings.layout import segment_bytes
+from superfluid.rings.naming import shm_dir
 
 if TYPE_CHECKING:
     from superfluid.engine.sizing import Need

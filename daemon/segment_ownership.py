@@ -11,7 +11,8 @@ import threading
 
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.liveness import pid_alive
-from superfluid.rings.segment import Segment, segment_path
+from superfluid.rings.naming import segment_path
+from superfluid.rings.segment import Segment
 
 from .status import segment_paths
 

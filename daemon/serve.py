@@ -29,7 +29,7 @@ import sys
 
 from superfluid.daemon.status import DEFAULT_NAME
 from superfluid.daemon.worker import add_runtime_args
-from superfluid.rings.segment import NAME_RE
+from superfluid.rings.naming import NAME_RE
 
 log = logging.getLogger("superfluid.daemon")
 

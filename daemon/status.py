@@ -21,7 +21,8 @@ from typing import Any
 from superfluid.abi import Fault, WorkerState, lib
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.liveness import pid_alive
-from superfluid.rings.segment import NAME_RE, Segment, shm_dir, state_name
+from superfluid.rings.naming import NAME_RE, shm_dir
+from superfluid.rings.segment import Segment, state_name
 
 DEFAULT_NAME = "superfluid"
 

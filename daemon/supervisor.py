@@ -46,7 +46,9 @@ from typing import Any
 from superfluid.abi import WorkerState, codec, ffi
 from superfluid.abi.records import WorkerNotice
 from superfluid.daemon.control import STOP
-from superfluid.rings.segment import Segment, SegmentConfig, segment_path
+from superfluid.rings.layout import SegmentConfig
+from superfluid.rings.naming import segment_path
+from superfluid.rings.segment import Segment
 
 from .metrics import WorkerMetrics
 from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     from superfluid.daemon.worker_loop import Worker
     from superfluid.executor import Executor
     from superfluid.rings.errors import SegmentError
-    from superfluid.rings.segment import Segment, SegmentConfig
+    from superfluid.rings.layout import SegmentConfig
+    from superfluid.rings.segment import Segment
 
     control = Control(args.control_fd)
     # The daemon handles signals for the pool (a group-wide SIGTERM, e.g.

@@ -31,9 +31,9 @@ from superfluid.abi.records import OpCompletion, QueueReset, TickEvents
 from superfluid.daemon.control import ASKED, Control
 from superfluid.daemon.outbox import Outbox, completion_bytes
 from superfluid.executor.executor import Executor
+from superfluid.rings.naming import parse_segment_path
 from superfluid.rings.queue import SpinBudget
 from superfluid.rings.repair import repair_geometry, repair_identity
-from superfluid.rings.segment import parse_segment_path
 
 # An idle worker sleeps on the plan queue; ops arrive on another queue, so it
 # looks at them this often (an op's completion waits at most this long).

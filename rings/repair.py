@@ -12,7 +12,8 @@ from typing import Any
 
 from superfluid.abi import ABI_VERSION, MAGIC, ffi, lib
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import _QUEUES, _RINGS, HEADER_BYTES, Segment, _plan_layout
+from superfluid.rings.layout import HEADER_BYTES, QUEUES, RINGS, plan_layout
+from superfluid.rings.segment import Segment
 
 
 def _put(fixed: list[str], obj: Any, field: str, want: object, label: str) -> None:
@@ -34,7 +35,7 @@ def repair(seg: Segment, *, fault_injection: bool = False) -> list[str]:
     name, index = seg.made_as or (ffi.string(h.name).decode(errors="replace"), int(h.worker_index))
     fixed += repair_identity(seg, name, index, os.getpid())
     fixed += repair_geometry(seg)
-    for q in _QUEUES:
+    for q in QUEUES:
         sq = seg.queues[q]
         if not sq.sane():
             head, tail = sq.head, sq.tail
@@ -77,14 +78,14 @@ def repair_geometry(seg: Segment) -> list[str]:
     base = ffi.cast("char *", h)
     fixed: list[str] = []
     put = functools.partial(_put, fixed)
-    offsets, _ = _plan_layout(cfg)
+    offsets, _ = plan_layout(cfg)
     for k, v in offsets.items():
         put(h.layout, k, v, f"layout.{k}")
-    for q in _QUEUES:
+    for q in QUEUES:
         raw = ffi.cast("Queue *", base + offsets[f"{q}_queue"])
         put(raw, "n_slots", getattr(cfg, f"{q}_slots"), f"{q} queue n_slots")
         put(raw, "slot_bytes", getattr(cfg, f"{q}_slot_bytes"), f"{q} queue slot_bytes")
-    for r, rid, cap in _RINGS:
+    for r, rid, cap in RINGS:
         raw = ffi.cast("DataRing *", base + offsets[f"{r}_ring"])
         put(raw, "ring_id", int(rid), f"{r} ring id")
         put(raw, "elem_bytes", 4, f"{r} ring elem_bytes")

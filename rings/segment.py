@@ -13,26 +13,29 @@ the daemon `repair()`s the header before every worker start.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import mmap
 import os
-import re
 import stat
 import time
 from typing import Any
 
-from superfluid.abi import ABI_VERSION, CACHE_LINE, MAGIC, Connect, RingId, WorkerState, ffi, lib
+from superfluid.abi import ABI_VERSION, CACHE_LINE, MAGIC, Connect, WorkerState, ffi, lib
 from superfluid.abi.records import RuntimeDesc
 from superfluid.rings.data import DataRing
 from superfluid.rings.errors import SegmentClosed, SegmentError
+from superfluid.rings.layout import (
+    HEADER_BYTES,
+    QUEUE_HEADER_BYTES,
+    QUEUES,
+    RING_HEADER_BYTES,
+    RINGS,
+    SegmentConfig,
+    line_up,
+    plan_layout,
+)
+from superfluid.rings.naming import segment_path
 from superfluid.rings.queue import SlotQueue
-
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,30}$")
-HEADER_BYTES = ffi.sizeof("SegmentHeader")
-QUEUE_HEADER_BYTES = ffi.sizeof("Queue")
-RING_HEADER_BYTES = ffi.sizeof("DataRing")
 
 
 def state_name(state: int) -> str:
@@ -43,104 +46,8 @@ def state_name(state: int) -> str:
         return str(int(state))
 
 
-def shm_dir() -> str:
-    """Where segments live: $SUPERFLUID_SHM_DIR, else /dev/shm."""
-    return os.environ.get("SUPERFLUID_SHM_DIR", "/dev/shm")
-
-
-def segment_path(name: str, index: int) -> str:
-    if not NAME_RE.match(name):
-        raise SegmentError(f"name {name!r}: 1-31 characters of [A-Za-z0-9_.-], starting with a letter or digit")
-    if not 0 <= index < 1 << 16:
-        raise SegmentError(f"worker index {index}: must be in [0, 65536)")
-    return os.path.join(shm_dir(), f"superfluid.{name}.{index}")
-
-
-def segment_bytes(cfg: SegmentConfig) -> int:
-    """The size of a segment file made with `cfg`."""
-    cfg.check()
-    return _plan_layout(cfg)[1]
-
-
-def parse_segment_path(path: str) -> tuple[str, int] | None:
-    """(name, index) of a path segment_path made, else None."""
-    base = os.path.basename(path)
-    if not base.startswith("superfluid."):
-        return None
-    name, _, index = base[len("superfluid."):].rpartition(".")
-    if not NAME_RE.match(name) or not index.isdigit() or int(index) >= 1 << 16:
-        return None
-    return name, int(index)
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentConfig:
-    """Sizes of a segment's queues and rings."""
-
-    plan_slots: int = 8
-    plan_slot_bytes: int = 256 << 10
-    event_slots: int = 8
-    event_slot_bytes: int = 1 << 20
-    op_slots: int = 64
-    op_slot_bytes: int = 64 << 10
-    stream_slots: int = 4096
-    stream_slot_bytes: int = 64
-    prompt_tokens: int = 1 << 20
-    emit_tokens: int = 1 << 20
-    logits_floats: int = 1 << 22
-
-    def check(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, int) or v <= 0:
-                raise SegmentError(f"SegmentConfig.{f.name} = {v!r}: must be a positive int")
-            if v > _MAX_SIZE:  # byte sizes computed from it must not wrap
-                raise SegmentError(f"SegmentConfig.{f.name} = {v}: above the limit of {_MAX_SIZE}")
-        for q in ("plan", "event", "op", "stream"):
-            n, b = getattr(self, f"{q}_slots"), getattr(self, f"{q}_slot_bytes")
-            if n & (n - 1):
-                raise SegmentError(f"SegmentConfig.{q}_slots = {n}: must be a power of two")
-            if b % CACHE_LINE or b >= 1 << 32:
-                raise SegmentError(f"SegmentConfig.{q}_slot_bytes = {b}: a multiple of {CACHE_LINE} below 4 GiB")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> SegmentConfig:
-        try:
-            raw = json.loads(text)
-            cfg = cls(**raw)
-        except (ValueError, TypeError) as e:
-            raise SegmentError(f"segment config {text[:80]!r}: {e}") from None
-        cfg.check()
-        return cfg
-
-
-_MAX_SIZE = 1 << 36  # slots, slot bytes or ring elements: far above any real segment
-
-
-def _up(n: int) -> int:
-    return (n + CACHE_LINE - 1) // CACHE_LINE * CACHE_LINE
-
-
-_QUEUES = ("plan", "event", "op", "stream")
 _STATES = {int(s): s for s in WorkerState}
 _load_u64, _load_u32 = lib.sf_load_acquire_u64, lib.sf_load_acquire_u32
-_RINGS = (("prompt", RingId.PROMPT, "prompt_tokens"), ("token", RingId.TOKENS, "emit_tokens"),
-          ("logits", RingId.LOGITS, "logits_floats"))
-
-
-def _plan_layout(cfg: SegmentConfig) -> tuple[dict[str, int], int]:
-    at = _up(HEADER_BYTES)
-    offsets: dict[str, int] = {}
-    for q in _QUEUES:
-        offsets[f"{q}_queue"] = at
-        at = _up(at + lib.sf_queue_bytes(getattr(cfg, f"{q}_slots"), getattr(cfg, f"{q}_slot_bytes")))
-    for r, _, cap in _RINGS:
-        offsets[f"{r}_ring"] = at
-        at = _up(at + lib.sf_ring_bytes(getattr(cfg, cap)))
-    return offsets, at
 
 
 class Segment:
@@ -178,7 +85,7 @@ class Segment:
             if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
                 raise SegmentError(f"{path}: exists and is not a segment of uid {os.geteuid()}; not replacing it")
             os.unlink(path)
-        offsets, size = _plan_layout(cfg)
+        offsets, size = plan_layout(cfg)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
@@ -222,10 +129,10 @@ class Segment:
               size: int) -> None:
         base = ffi.from_buffer(mm)
         h = ffi.cast("SegmentHeader *", base)
-        for q in _QUEUES:
+        for q in QUEUES:
             lib.sf_queue_init(base + offsets[f"{q}_queue"], getattr(cfg, f"{q}_slots"),
                               getattr(cfg, f"{q}_slot_bytes"))
-        for r, rid, cap in _RINGS:
+        for r, rid, cap in RINGS:
             lib.sf_ring_init(base + offsets[f"{r}_ring"], int(rid), getattr(cfg, cap))
         for k, v in offsets.items():
             setattr(h.layout, k, v)
@@ -287,7 +194,7 @@ class Segment:
             if self.config is not None:
                 # Told the geometry: write it, never read it back (a planner may
                 # be scribbling on it this very moment).
-                offsets, size = _plan_layout(self.config)
+                offsets, size = plan_layout(self.config)
                 if size != self.size:
                     raise SegmentError(f"{self.path}: {self.size} bytes, but its config makes {size}")
                 self._trusted_identity()
@@ -296,10 +203,10 @@ class Segment:
             else:
                 self._check_identity()
                 offsets = {f"{n}_{w}": int(getattr(h.layout, f"{n}_{w}"))
-                           for n, w in [(q, "queue") for q in _QUEUES] + [(r, "ring") for r, _, _ in _RINGS]}
+                           for n, w in [(q, "queue") for q in QUEUES] + [(r, "ring") for r, _, _ in RINGS]}
             self._offsets = offsets
-            self.queues = {q: self._region(q, "queue") for q in _QUEUES}
-            self.rings = {r: self._region(r, "ring") for r, _, _ in _RINGS}
+            self.queues = {q: self._region(q, "queue") for q in QUEUES}
+            self.rings = {r: self._region(r, "ring") for r, _, _ in RINGS}
             if self.config is None:
                 self._check_layout()
         except BaseException:
@@ -354,7 +261,7 @@ class Segment:
         for q, sq in self.queues.items():
             off = self._offsets[f"{q}_queue"]
             spans.append((off, off + lib.sf_queue_bytes(sq.n_slots, sq.slot_bytes), f"{q}_queue"))
-        for (r, rid, _), ring in zip(_RINGS, self.rings.values()):
+        for (r, rid, _), ring in zip(RINGS, self.rings.values()):
             if ring.ring_id != rid:
                 raise SegmentError(f"{self.path}: the {r} ring says it is ring {ring.ring_id}, expected {int(rid)}")
             off = self._offsets[f"{r}_ring"]
@@ -363,7 +270,7 @@ class Segment:
         for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if end > start:
                 raise SegmentError(f"{self.path}: layout.{a} overlaps layout.{b}")
-        ends = [_up(HEADER_BYTES)] + [_up(end) for _, end, _ in spans]
+        ends = [line_up(HEADER_BYTES)] + [line_up(end) for _, end, _ in spans]
         for (start, _, a), want in zip(spans, ends):
             if start != want:
                 raise SegmentError(f"{self.path}: layout.{a} starts at {start}, not at {want} where the region "
@@ -381,7 +288,7 @@ class Segment:
             if what == "queue":
                 geo = None if cfg is None else (getattr(cfg, f"{name}_slots"), getattr(cfg, f"{name}_slot_bytes"))
                 return SlotQueue(self, self._base + off, self.size - off, name, geo)
-            geo = None if cfg is None else next((int(rid), getattr(cfg, cap)) for r, rid, cap in _RINGS if r == name)
+            geo = None if cfg is None else next((int(rid), getattr(cfg, cap)) for r, rid, cap in RINGS if r == name)
             return DataRing(self, self._base + off, self.size - off, geo)
         except ValueError as e:
             raise SegmentError(f"{self.path}: {e}") from None

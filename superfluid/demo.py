@@ -173,7 +173,7 @@ def run(*, requests: int = 24, model: str | None = None, arch: str = "llama", ba
     from superfluid.daemon.worker import model_vocab
     from superfluid.engine.checkpoint import model_type
     from superfluid.engine.tiny import default_model_dir
-    from superfluid.rings.segment import SegmentConfig
+    from superfluid.rings.layout import SegmentConfig
 
     model_dir = model or str(default_model_dir(arch))
     vocab = model_vocab(model_dir)

@@ -56,7 +56,8 @@ def seg_name(request) -> str:
 @pytest.fixture
 def segment(seg_name):
     """A fresh segment with small queues and rings, unlinked afterwards."""
-    from superfluid.rings.segment import Segment, SegmentConfig
+    from superfluid.rings.layout import SegmentConfig
+    from superfluid.rings.segment import Segment
 
     cfg = SegmentConfig(plan_slots=4, plan_slot_bytes=4096, event_slots=4, event_slot_bytes=8192, op_slots=4,
                         op_slot_bytes=1024, stream_slots=16, stream_slot_bytes=64, prompt_tokens=64,

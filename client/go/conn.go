@@ -1,12 +1,12 @@
 package superfluid
 
 /*
+#include <stdlib.h>
 #include "superfluid.h"
 */
 import "C"
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -30,8 +30,8 @@ type Conn struct {
 	Epoch   uint64 // the worker's, as of the last (re)connect
 	Session uint64 // stamped on every plan and op
 
-	file *os.File
-	mem  []byte
+	smap C.SegmentMap // sf_segment_open's: the mapping and the locked fd
+	mem  []byte       // the mapping, as bytes
 	seg  *C.SegmentHeader
 	v    *views
 
@@ -63,60 +63,43 @@ func SegmentPath(name string, index int) string {
 // until it is READY and begins a session (abi/superfluid.h, "sessions").
 // The segment may not exist yet: a planner may start before its daemon.
 func Connect(name string, index int, timeout time.Duration) (*Conn, error) {
-	path := SegmentPath(name, index)
 	deadline := time.Now().Add(timeout)
-	for {
-		c, err := open(path)
-		if err == nil {
-			if err = c.begin(deadline); err != nil {
-				c.Close()
-				return nil, err
-			}
-			return c, nil
-		}
-		var se *SegmentError
-		if !errors.As(err, &se) || !se.retryable() || time.Now().After(deadline) {
-			return nil, err
-		}
-		time.Sleep(pollGap)
+	c, err := open(name, index, timeout)
+	if err != nil {
+		return nil, err
 	}
+	if err = c.begin(deadline); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
 }
 
-// open: steps 1-3, find, check, take.
-func open(path string) (*Conn, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		code := -1
-		if errors.Is(err, os.ErrNotExist) {
-			code = -2
-		}
-		return nil, &SegmentError{Path: path, Code: code, Msg: err.Error()}
+// open: steps 1-3, find and check (sf_segment_open, which waits up to
+// timeout while the daemon is still making the segment), take.
+func open(name string, index int, timeout time.Duration) (*Conn, error) {
+	path := SegmentPath(name, index)
+	if index < 0 || index > 0xFFFF {
+		return nil, &SegmentError{Path: path, Code: SF_CONNECT_NAME}
 	}
-	var st syscall.Stat_t
-	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
-		f.Close()
-		return nil, &SegmentError{Path: path, Code: -1, Msg: err.Error()}
+	if timeout < 0 {
+		timeout = 0 // one try (a C timeout below 0 would mean none)
 	}
-	if st.Uid != uint32(os.Geteuid()) || st.Mode&0o077 != 0 {
-		f.Close()
-		return nil, &SegmentError{Path: path, Code: -1, Msg: "not a mode-0600 file of this user"}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	c := &Conn{Path: path, v: newViews()}
+	switch r := int(C.sf_segment_open(cname, C.uint32_t(index), C.int64_t(timeout.Nanoseconds()), &c.smap)); {
+	case r < 0:
+		c.v.free()
+		return nil, &SegmentError{Path: path, Code: -1, Msg: syscall.Errno(-r).Error()}
+	case r != SF_CONNECT_OK:
+		c.v.free()
+		return nil, &SegmentError{Path: path, Code: r}
 	}
-	if st.Size < int64(unsafe.Sizeof(SegmentHeader{})) {
-		f.Close()
-		return nil, &SegmentError{Path: path, Code: SF_CONNECT_SHORT}
-	}
-	mem, err := syscall.Mmap(int(f.Fd()), 0, int(st.Size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
-	if err != nil {
-		f.Close()
-		return nil, &SegmentError{Path: path, Code: -1, Msg: "mmap: " + err.Error()}
-	}
-	c := &Conn{Path: path, file: f, mem: mem, seg: (*C.SegmentHeader)(unsafe.Pointer(&mem[0])), v: newViews()}
-	if code := int(C.sf_segment_check(c.seg, C.uint64_t(len(mem)))); code != SF_CONNECT_OK {
-		c.Close()
-		return nil, &SegmentError{Path: path, Code: code}
-	}
-	switch r := int(C.sf_session_lock(C.int(f.Fd()))); {
-	case r == -int(syscall.EWOULDBLOCK):
+	c.seg = c.smap.seg
+	c.mem = unsafe.Slice((*byte)(unsafe.Pointer(c.smap.seg)), int(c.smap.bytes))
+	switch r := int(C.sf_session_lock(c.smap.fd)); {
+	case r == -SF_EWOULDBLOCK:
 		c.Close()
 		return nil, fmt.Errorf("%s: %w", path, ErrTaken)
 	case r != 0:
@@ -224,18 +207,14 @@ func (c *Conn) Reconnect(timeout time.Duration) (uint64, error) {
 
 // Close ends the session: the lock goes, another planner may connect.
 func (c *Conn) Close() error {
-	if c.file == nil {
+	if c.seg == nil {
 		return nil
 	}
-	C.sf_session_unlock(C.int(c.file.Fd()))
-	if c.mem != nil {
-		syscall.Munmap(c.mem)
-		c.mem, c.seg = nil, nil
-	}
+	C.sf_session_unlock(c.smap.fd)
+	C.sf_segment_close(&c.smap)
+	c.mem, c.seg = nil, nil
 	c.v.free()
-	err := c.file.Close()
-	c.file = nil
-	return err
+	return nil
 }
 
 func (c *Conn) segEpoch() uint64 {

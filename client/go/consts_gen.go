@@ -14,12 +14,16 @@ const (
 	SF_CLASS_DISTRIBUTION_EXACT        = 0x2
 	SF_CLASS_SEED_PATH_INVARIANT       = 0x1
 	SF_CONNECT_ABI                     = 0x3
+	SF_CONNECT_FILE                    = 0x8
 	SF_CONNECT_MAGIC                   = 0x2
+	SF_CONNECT_MISSING                 = 0x7
+	SF_CONNECT_NAME                    = 0x6
 	SF_CONNECT_OK                      = 0x0
 	SF_CONNECT_OWNER                   = 0x5
 	SF_CONNECT_SHORT                   = 0x1
 	SF_CONNECT_SIZE                    = 0x4
 	SF_ECHO_BYTES                      = 0x40
+	SF_EWOULDBLOCK                     = 0xb
 	SF_FAULT_GRAMMAR_OVERFLOW          = 0x3
 	SF_FAULT_INJECTED                  = 0x5
 	SF_FAULT_INTERNAL                  = 0x2
@@ -73,6 +77,7 @@ const (
 	SF_QUEUE_OP                        = 0x3
 	SF_QUEUE_PLAN                      = 0x1
 	SF_QUEUE_STREAM                    = 0x4
+	SF_RECORD_OFFSET                   = 0x18
 	SF_RING_LOGITS                     = 0x3
 	SF_RING_NONE                       = 0x0
 	SF_RING_PROMPT                     = 0x1

@@ -15,20 +15,15 @@ var ErrTaken = errors.New("superfluid: another planner holds this worker")
 // SegmentError: no segment, or not one this build can use.
 type SegmentError struct {
 	Path string
-	Code int // SF_CONNECT_*, or -1 for what sf_segment_check does not judge
+	Code int // SF_CONNECT_* (sf_segment_open), or -1 for an OS error (Msg)
 	Msg  string
 }
 
 func (e *SegmentError) Error() string {
 	if e.Code >= 0 {
-		return fmt.Sprintf("%s: sf_segment_check says %d (SF_CONNECT_%s)%s", e.Path, e.Code, ConnectName(e.Code), e.Msg)
+		return fmt.Sprintf("%s: sf_segment_open says %d (SF_CONNECT_%s)%s", e.Path, e.Code, ConnectName(e.Code), e.Msg)
 	}
 	return fmt.Sprintf("%s: %s", e.Path, e.Msg)
-}
-
-// A segment being made (not there yet, short, magic not written) may be ready soon.
-func (e *SegmentError) retryable() bool {
-	return e.Code == -2 || e.Code == SF_CONNECT_SHORT || e.Code == SF_CONNECT_MAGIC || e.Code == SF_CONNECT_SIZE
 }
 
 // TimeoutError: a wait ran past its timeout (the worker is alive but did not answer).

@@ -25,7 +25,7 @@ func WorkerStateName(v uint32) string { return C.GoString(C.sf_worker_state_name
 func MsgKindName(v uint32) string     { return C.GoString(C.sf_msg_kind_name(C.uint32_t(v))) }
 func OpName(v uint32) string          { return C.GoString(C.sf_op_name(C.uint32_t(v))) }
 
-// ConnectName names an sf_segment_check result (the header has no function for it).
+// ConnectName names an sf_segment_check / sf_segment_open result (the header has no function for it).
 func ConnectName(v int) string {
 	switch v {
 	case SF_CONNECT_OK:
@@ -40,6 +40,12 @@ func ConnectName(v int) string {
 		return "SIZE"
 	case SF_CONNECT_OWNER:
 		return "OWNER"
+	case SF_CONNECT_NAME:
+		return "NAME"
+	case SF_CONNECT_MISSING:
+		return "MISSING"
+	case SF_CONNECT_FILE:
+		return "FILE"
 	}
 	return "unknown"
 }

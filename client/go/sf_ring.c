@@ -11,13 +11,17 @@
 #include "superfluid.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -186,13 +190,120 @@ int sf_segment_check(const SegmentHeader *seg, uint64_t mapped_bytes) {
     return SF_CONNECT_OK;
 }
 
+SF_STATIC_ASSERT(SF_EWOULDBLOCK == EWOULDBLOCK, "SF_EWOULDBLOCK is this platform's EWOULDBLOCK");
+
 int sf_session_lock(int fd) {
     if (flock(fd, LOCK_EX | LOCK_NB) == 0)
         return 0;
-    return errno == EWOULDBLOCK ? -EWOULDBLOCK : -errno;
+    return errno == EWOULDBLOCK ? -SF_EWOULDBLOCK : -errno;
 }
 
 int sf_session_unlock(int fd) { return flock(fd, LOCK_UN) == 0 ? 0 : -errno; }
+
+/* 1-31 of [A-Za-z0-9_.-], starting with a letter or digit (rings/segment.py's NAME_RE). */
+static int name_ok(const char *name) {
+    size_t n = strnlen(name, SF_NAME_BYTES);
+    if (n == 0 || n >= SF_NAME_BYTES)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = name[i];
+        int alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+        if (!alnum && (i == 0 || (c != '_' && c != '.' && c != '-')))
+            return 0;
+    }
+    return 1;
+}
+
+/* One try: SF_CONNECT_OK with *out filled, else nothing is left open. */
+static int open_once(const char *path, const char *name, uint32_t index, SegmentMap *out) {
+    int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        if (errno == ENOENT)
+            return SF_CONNECT_MISSING;
+        return errno == ELOOP ? SF_CONNECT_FILE : -errno; /* ELOOP: a symlink */
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return -e;
+    }
+    int r = SF_CONNECT_OK;
+    if (!S_ISREG(st.st_mode))
+        r = SF_CONNECT_FILE;
+    else if (st.st_uid != geteuid())
+        r = SF_CONNECT_OWNER;
+    else if (st.st_mode & 077)
+        r = SF_CONNECT_FILE;
+    else if ((uint64_t)st.st_size < sizeof(SegmentHeader))
+        r = SF_CONNECT_SHORT; /* made, not yet sized */
+    if (r != SF_CONNECT_OK) {
+        close(fd);
+        return r;
+    }
+    size_t bytes = (size_t)st.st_size;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        return -e;
+    }
+    SegmentHeader *seg = (SegmentHeader *)p;
+    r = sf_segment_check(seg, bytes);
+    if (r == SF_CONNECT_OK) {
+        /* The segment of this name and index, not one renamed over it. */
+        size_t n = strlen(name);
+        if (seg->worker_index != index || memcmp(seg->name, name, n) != 0 ||
+            (n < SF_NAME_BYTES && seg->name[n] != 0))
+            r = SF_CONNECT_NAME;
+    }
+    if (r != SF_CONNECT_OK) {
+        munmap(p, bytes);
+        close(fd);
+        return r;
+    }
+    out->seg = seg;
+    out->bytes = bytes;
+    out->fd = fd;
+    return SF_CONNECT_OK;
+}
+
+int sf_segment_open(const char *name, uint32_t index, int64_t timeout_ns, SegmentMap *out) {
+    memset(out, 0, sizeof *out);
+    out->fd = -1;
+    if (name == NULL || !name_ok(name) || index > 0xFFFF)
+        return SF_CONNECT_NAME;
+    const char *dir = getenv("SUPERFLUID_SHM_DIR");
+    if (dir == NULL || dir[0] == 0)
+        dir = "/dev/shm";
+    char path[PATH_MAX];
+    int len = snprintf(path, sizeof path, "%s/superfluid.%s.%u", dir, name, index);
+    if (len < 0 || (size_t)len >= sizeof path)
+        return -ENAMETOOLONG;
+    uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : sf_monotonic_ns() + (uint64_t)timeout_ns;
+    for (;;) {
+        int r = open_once(path, name, index, out);
+        /* Missing, short, no magic yet: a daemon may be making it (the magic goes last). */
+        if (r != SF_CONNECT_MISSING && r != SF_CONNECT_SHORT && r != SF_CONNECT_MAGIC)
+            return r;
+        uint64_t now = sf_monotonic_ns();
+        if (now >= deadline)
+            return r;
+        uint64_t nap = deadline - now < SF_WAIT_SLICE_NS ? deadline - now : SF_WAIT_SLICE_NS;
+        struct timespec ts = {(time_t)(nap / 1000000000u), (long)(nap % 1000000000u)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+void sf_segment_close(SegmentMap *m) {
+    if (m->seg != NULL)
+        munmap(m->seg, (size_t)m->bytes);
+    if (m->fd >= 0)
+        close(m->fd);
+    m->seg = NULL;
+    m->bytes = 0;
+    m->fd = -1;
+}
 
 /* A process that is not there, or a zombie (dead, not yet reaped). */
 static int pid_gone(uint32_t pid) {

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from superfluid.daemon.status import read_status
-from superfluid.rings.segment import parse_segment_path, shm_dir
+from superfluid.rings.naming import parse_segment_path, shm_dir
 from superfluid.testing.launch import python
 
 WAIT_S = 60.0  # generous: a loaded 2-core CI box starts a worker in seconds, not milliseconds

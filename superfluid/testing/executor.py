@@ -14,7 +14,7 @@ from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor, TickResult
 from superfluid.executor.rings import LocalRings
-from superfluid.rings.segment import SegmentConfig
+from superfluid.rings.layout import SegmentConfig
 
 GREEDY, SAMPLE, HOST = int(Sampling.GPU_GREEDY), int(Sampling.GPU_SAMPLE), int(Sampling.HOST)
 BIG_BUDGET = 1 << 20

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from superfluid.abi import codec, ffi
+from superfluid.abi import codec, ffi, packers
 from superfluid.abi.records import (
     CLASSES,
     LAYOUTS,
@@ -28,7 +28,7 @@ from superfluid.fuzz.plan_mutator import mutate
 from superfluid.fuzz.plan_target import seed_corpus
 from superfluid.testing.record_strategies import record
 
-native = codec._native
+native = packers._native
 pytestmark = pytest.mark.skipif(native is None, reason="superfluid.abi._codec was not built")
 
 SLOT = 1 << 16
@@ -170,7 +170,7 @@ def test_odd_and_bad_values_end_as_the_python_codec_ends(rec):
 
 def test_every_record_the_fast_path_knows_has_its_compiled_layout():
     # The schema handed to C, read back against cffi: offsets and sizes are the compiler's.
-    rows, index = codec._schema()
+    rows, index = packers._schema()
     for name, i in index.items():
         cls, size, _has_ss, fields = rows[i]
         assert cls is CLASSES[name] and size == ffi.sizeof(name)

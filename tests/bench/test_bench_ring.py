@@ -11,7 +11,7 @@ import pytest
 
 from superfluid.bench import ring, ring_worker
 from superfluid.cli import main
-from superfluid.rings.segment import shm_dir
+from superfluid.rings.naming import shm_dir
 
 TINY = dict(rounds=200, warmup=20, blocks=2, seconds=0.05, codec_rounds=50, worker_rounds=30, rust=False)
 WORKER_KEYS = ("worker_rt_python_p50_us", "worker_rt_python_p99_us", "worker_tick_wall_p50_us",

@@ -19,7 +19,8 @@ import pytest
 
 from superfluid.abi import WorkerState
 from superfluid.client import Client
-from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.rings.layout import SegmentConfig
+from superfluid.rings.segment import Segment
 from superfluid.testing.daemon import FAKE_WORKER
 from superfluid.testing.launch import python
 

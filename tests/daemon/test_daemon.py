@@ -25,7 +25,8 @@ from superfluid.daemon.supervisor import Daemon, restart_delay, segment_config_f
 from superfluid.daemon.worker import add_runtime_args
 from superfluid.daemon.worker_exits import describe_exit
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.rings.layout import SegmentConfig
+from superfluid.rings.segment import Segment
 from superfluid.testing.daemon import WAIT_S, Serve, live_workers, segment_files, state_of, wait_for
 
 

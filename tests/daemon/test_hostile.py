@@ -30,7 +30,8 @@ from superfluid.client.planner import Planner
 from superfluid.client.session import ClientError, ClientTimeout
 from superfluid.daemon.status import format_status, read_status
 from superfluid.rings.errors import SegmentError
-from superfluid.rings.segment import Segment, shm_dir
+from superfluid.rings.naming import shm_dir
+from superfluid.rings.segment import Segment
 from superfluid.testing.daemon import FAKE, WAIT_S, Serve, start_fake, state_of, wait_for
 from superfluid.testing.launch import python
 

@@ -18,7 +18,8 @@ from superfluid.client import Client, PlanBuilder
 from superfluid.client.planner import Planner
 from superfluid.client.session import ClientTimeout
 from superfluid.daemon.status import read_status
-from superfluid.rings.segment import Segment, shm_dir
+from superfluid.rings.naming import shm_dir
+from superfluid.rings.segment import Segment
 from superfluid.testing.daemon import WAIT_S, Serve, start_fake, state_of, wait_for
 
 

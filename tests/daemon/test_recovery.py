@@ -21,7 +21,7 @@ from superfluid.client.planner import Planner
 from superfluid.daemon.supervisor import Daemon
 from superfluid.engine.tiny import default_model_dir
 from superfluid.kernels.reference_sampler import sample
-from superfluid.rings.segment import shm_dir
+from superfluid.rings.naming import shm_dir
 from superfluid.testing.daemon import live_workers
 
 TRIALS = 20

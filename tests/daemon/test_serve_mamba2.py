@@ -33,7 +33,7 @@ from superfluid.engine.mamba2_state import StatePool
 from superfluid.engine.tiny import write_tiny
 from superfluid.executor import Executor
 from superfluid.kernels.reference_sampler import sample
-from superfluid.rings.segment import shm_dir
+from superfluid.rings.naming import shm_dir
 from superfluid.testing.daemon import live_workers
 from superfluid.testing.launch import python
 

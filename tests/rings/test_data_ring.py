@@ -122,7 +122,8 @@ def test_readable_exactly_while_not_overwritten(sizes, data):
     none of its elements has been written over since."""
     import os
 
-    from superfluid.rings.segment import Segment, SegmentConfig
+    from superfluid.rings.layout import SegmentConfig
+    from superfluid.rings.segment import Segment
     name = f"h{os.getpid()}-{data.draw(st.integers(0, 1 << 30))}"
     seg = Segment.create(name, 0, SegmentConfig(prompt_tokens=64, plan_slot_bytes=1024, event_slot_bytes=1024,
                                                 op_slot_bytes=1024, stream_slots=2, emit_tokens=16,
@@ -166,7 +167,8 @@ def test_reads_racing_a_writer_are_whole_or_refused(seg_name):
     (never a torn mix); the others are refused as bad generations."""
     import multiprocessing as mp
 
-    from superfluid.rings.segment import Segment, SegmentConfig
+    from superfluid.rings.layout import SegmentConfig
+    from superfluid.rings.segment import Segment
 
     seg = Segment.create(seg_name, 0, SegmentConfig(prompt_tokens=64, plan_slot_bytes=1024,
                                                     event_slot_bytes=1024, op_slot_bytes=1024, stream_slots=2,

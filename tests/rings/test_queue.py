@@ -14,8 +14,9 @@ import pytest
 from superfluid.abi import WaitResult, WorkerState, ffi, lib
 from superfluid.abi.records import PartialEmit, TickPlan
 from superfluid.rings.errors import PeerGone, StopRequested
+from superfluid.rings.layout import SegmentConfig
 from superfluid.rings.queue import QueueTimeout
-from superfluid.rings.segment import Segment, SegmentConfig
+from superfluid.rings.segment import Segment
 
 FORK = mp.get_context("fork")
 

@@ -11,7 +11,9 @@ import pytest
 from superfluid.abi import ABI_VERSION, MAGIC, WorkerState, ffi
 from superfluid.abi.records import RuntimeDesc
 from superfluid.rings.errors import SegmentClosed, SegmentError
-from superfluid.rings.segment import Segment, SegmentConfig, segment_path
+from superfluid.rings.layout import SegmentConfig
+from superfluid.rings.naming import segment_path
+from superfluid.rings.segment import Segment
 
 SMALL = SegmentConfig(plan_slots=2, plan_slot_bytes=1024, event_slots=2, event_slot_bytes=1024, op_slots=2,
                       op_slot_bytes=1024, stream_slots=2, stream_slot_bytes=64, prompt_tokens=16, emit_tokens=16,

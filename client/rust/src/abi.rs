@@ -15,12 +15,16 @@ pub const SF_CLASS_BEST_EFFORT: u32 = 0x0;
 pub const SF_CLASS_DISTRIBUTION_EXACT: u32 = 0x2;
 pub const SF_CLASS_SEED_PATH_INVARIANT: u32 = 0x1;
 pub const SF_CONNECT_ABI: u32 = 0x3;
+pub const SF_CONNECT_FILE: u32 = 0x8;
 pub const SF_CONNECT_MAGIC: u32 = 0x2;
+pub const SF_CONNECT_MISSING: u32 = 0x7;
+pub const SF_CONNECT_NAME: u32 = 0x6;
 pub const SF_CONNECT_OK: u32 = 0x0;
 pub const SF_CONNECT_OWNER: u32 = 0x5;
 pub const SF_CONNECT_SHORT: u32 = 0x1;
 pub const SF_CONNECT_SIZE: u32 = 0x4;
 pub const SF_ECHO_BYTES: u32 = 0x40;
+pub const SF_EWOULDBLOCK: u32 = 0xb;
 pub const SF_FAULT_GRAMMAR_OVERFLOW: u32 = 0x3;
 pub const SF_FAULT_INJECTED: u32 = 0x5;
 pub const SF_FAULT_INTERNAL: u32 = 0x2;
@@ -74,6 +78,7 @@ pub const SF_QUEUE_EVENT: u32 = 0x2;
 pub const SF_QUEUE_OP: u32 = 0x3;
 pub const SF_QUEUE_PLAN: u32 = 0x1;
 pub const SF_QUEUE_STREAM: u32 = 0x4;
+pub const SF_RECORD_OFFSET: u32 = 0x18;
 pub const SF_RING_LOGITS: u32 = 0x3;
 pub const SF_RING_NONE: u32 = 0x0;
 pub const SF_RING_PROMPT: u32 = 0x1;
@@ -786,6 +791,20 @@ const _: () = assert!(offset_of!(RingView, capacity) == 16);
 const _: () = assert!(offset_of!(RingView, ring_id) == 24);
 const _: () = assert!(offset_of!(RingView, elem_bytes) == 28);
 
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct SegmentMap {
+    pub seg: *mut SegmentHeader,
+    pub bytes: u64,
+    pub fd: i32,
+    pub _pad0: u32,
+}
+const _: () = assert!(size_of::<SegmentMap>() == 24);
+const _: () = assert!(offset_of!(SegmentMap, seg) == 0);
+const _: () = assert!(offset_of!(SegmentMap, bytes) == 8);
+const _: () = assert!(offset_of!(SegmentMap, fd) == 16);
+const _: () = assert!(offset_of!(SegmentMap, _pad0) == 20);
+
 extern "C" {
     pub fn sf_fetch_add_u64(a0: *mut u64, a1: u64) -> u64;
     pub fn sf_futex_wait(a0: *mut u32, a1: u32, a2: i64) -> i32;
@@ -825,6 +844,8 @@ extern "C" {
     pub fn sf_ring_read(a0: *mut RingView, a1: *mut RingRef, a2: *mut c_void, a3: u64) -> u32;
     pub fn sf_ring_write(a0: *mut RingView, a1: *mut c_void, a2: u64, a3: *mut RingRef) -> u32;
     pub fn sf_segment_check(a0: *mut SegmentHeader, a1: u64) -> i32;
+    pub fn sf_segment_close(a0: *mut SegmentMap);
+    pub fn sf_segment_open(a0: *mut u8, a1: u32, a2: i64, a3: *mut SegmentMap) -> i32;
     pub fn sf_session_begin(a0: *mut SegmentHeader) -> u64;
     pub fn sf_session_lock(a0: i32) -> i32;
     pub fn sf_session_unlock(a0: i32) -> i32;

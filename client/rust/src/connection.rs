@@ -6,20 +6,9 @@ use crate::events::{self, Completion, Error, Events, Message};
 use crate::plan::{LogitsRow, Plan};
 use core::ffi::c_void;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
+use std::ffi::CString;
 use std::time::{Duration, Instant};
 
-extern "C" {
-    fn mmap(addr: *mut u8, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut u8;
-    fn munmap(addr: *mut u8, len: usize) -> i32;
-    fn geteuid() -> u32;
-}
-const PROT_RW: i32 = 0x1 | 0x2;
-const MAP_SHARED: i32 = 0x01;
-const O_NOFOLLOW: i32 = 0o400000;
-const EWOULDBLOCK: i32 = 11;
 /// The header's wait advice: spin about a peer's turnaround, then sleep.
 pub const SPIN_NS: i64 = 200_000;
 /// A wait counts at most this many budgets towards the typical one, so an
@@ -64,9 +53,8 @@ pub(crate) fn timed_wait(spin: &mut SpinBudget, wait: impl FnOnce(i64) -> i64) -
 }
 
 pub struct Connection {
-    file: File,
+    map: SegmentMap, // sf_segment_open's: the mapping and the locked fd
     base: *mut u8,
-    len: usize,
     pub(crate) epoch: u64,
     pub(crate) session: u64,
     next_seq: u64,
@@ -119,39 +107,25 @@ impl Connection {
     /// Worker `index` of daemon `name`: checked, taken, READY, in a new
     /// session. Waits up to `timeout` for a segment the daemon is still
     /// making (absent, or its magic not written yet); refuses at once one
-    /// that is wrong (another ABI, owner or size).
+    /// that is wrong (another ABI, owner, mode or size).
     pub fn connect(name: &str, index: u32, timeout: Duration) -> Result<Connection, Error> {
         let until = deadline(timeout);
-        loop {
-            match Self::open(name, index, timeout) {
-                Ok(c) => return Ok(c),
-                Err((_, true)) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
-                Err((e, _)) => return Err(e),
-            }
-        }
-    }
-
-    /// One try at connect; the error says whether trying again may help.
-    fn open(name: &str, index: u32, timeout: Duration) -> Result<Connection, (Error, bool)> {
         let path = format!("{}/superfluid.{}.{}", shm_dir(), name, index);
-        let seg = |e: String| (Error::Segment(format!("{path}: {e}")), false);
-        let file = OpenOptions::new().read(true).write(true).custom_flags(O_NOFOLLOW).open(&path)
-            .map_err(|e| (Error::Segment(format!("{path}: {e}")), e.kind() == std::io::ErrorKind::NotFound))?;
-        let meta = file.metadata().map_err(|e| seg(e.to_string()))?;
-        if meta.uid() != unsafe { geteuid() } || meta.mode() & 0o077 != 0 {
-            return Err(seg("not a mode-0600 file of this user".into()));
+        let seg = |e: String| Error::Segment(format!("{path}: {e}"));
+        let cname = CString::new(name).map_err(|_| seg("a name with a NUL byte".into()))?;
+        let mut map = SegmentMap { seg: core::ptr::null_mut(), bytes: 0, fd: -1, _pad0: 0 };
+        // Steps 1-2: sf_segment_open waits while the daemon is still making it.
+        let r = unsafe { sf_segment_open(cname.as_ptr() as *mut u8, index, ns(timeout), &mut map) };
+        if r < 0 {
+            return Err(seg(std::io::Error::from_raw_os_error(-r).to_string()));
         }
-        let len = meta.len() as usize;
-        if len < core::mem::size_of::<SegmentHeader>() {
-            return Err((Error::Segment(format!("{path}: {len} bytes, not a whole segment yet")), true));
+        if r != SF_CONNECT_OK as i32 {
+            return Err(seg(format!("sf_segment_open says {r} (SF_CONNECT_*)")));
         }
-        let base = unsafe { mmap(core::ptr::null_mut(), len, PROT_RW, MAP_SHARED, file.as_raw_fd(), 0) };
-        if base as isize == -1 {
-            return Err(seg("mmap failed".into()));
-        }
-        // All-zero views until attached below; Drop only unmaps and unlocks.
+        let (base, len) = (map.seg as *mut u8, map.bytes as usize);
+        // All-zero views until attached below; Drop only unlocks and unmaps.
         let mut c = Connection {
-            file, base, len, epoch: 0, session: 0, next_seq: 1, next_op: 1, lanes_made: 0,
+            map, base, epoch: 0, session: 0, next_seq: 1, next_op: 1, lanes_made: 0,
             plans: unsafe { core::mem::zeroed() }, events: unsafe { core::mem::zeroed() },
             ops: unsafe { core::mem::zeroed() }, plan_spin: SpinBudget::new(SPIN_NS),
             event_spin: SpinBudget::new(SPIN_NS), op_spin: SpinBudget::new(SPIN_NS),
@@ -162,15 +136,9 @@ impl Connection {
             logits: unsafe { core::mem::zeroed() },
         };
         let h = c.header();
-        let check = unsafe { sf_segment_check(h, len as u64) };
-        if check != SF_CONNECT_OK as i32 {
-            // SHORT and MAGIC: the daemon has not finished making it (the magic goes last).
-            let making = check == SF_CONNECT_SHORT as i32 || check == SF_CONNECT_MAGIC as i32;
-            return Err((Error::Segment(format!("{path}: sf_segment_check says {check} (SF_CONNECT_*)")), making));
-        }
-        match unsafe { sf_session_lock(c.file.as_raw_fd()) } {
+        match unsafe { sf_session_lock(c.map.fd) } {
             0 => {}
-            r if r == -EWOULDBLOCK => return Err((Error::Taken, false)),
+            r if r == -(SF_EWOULDBLOCK as i32) => return Err(Error::Taken),
             r => return Err(seg(format!("lock failed ({r})"))),
         }
         let layout = unsafe { (*h).layout };
@@ -195,9 +163,10 @@ impl Connection {
             }
         }
         let mut epoch = 0u64;
-        let r = unsafe { sf_wait_ready(h, 0, ns(timeout), &mut epoch) };
+        let left = ns(until.saturating_duration_since(Instant::now()));
+        let r = unsafe { sf_wait_ready(h, 0, left, &mut epoch) };
         if r != SF_WAIT_READY as i32 {
-            return Err((c.not_ready(r), false));
+            return Err(c.not_ready(r));
         }
         c.epoch = epoch;
         c.session = unsafe { sf_session_begin(h) };
@@ -472,8 +441,8 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         unsafe {
-            sf_session_unlock(self.file.as_raw_fd());
-            munmap(self.base, self.len);
+            sf_session_unlock(self.map.fd);
+            sf_segment_close(&mut self.map);
         }
     }
 }

@@ -16,6 +16,12 @@ mod strategies;
 pub mod workload;
 
 pub use connection::{Connection, SpinBudget, SPIN_NS};
+
+/// The SF_ABI_VERSION this crate was written for. sf_segment_check compares a
+/// segment with the header it was compiled with, not with this code: a build
+/// against a header of another version fails here instead of at a plan.
+pub const ABI_VERSION: u32 = 2;
+const _: () = assert!(abi::SF_ABI_VERSION == ABI_VERSION, "written for another SF_ABI_VERSION: port it to abi/superfluid.h");
 pub use events::{Completion, Error, Events, Message, Shed};
 pub use grammars::{Grammar, GrammarBook};
 pub use ops::{Describe, HeldLane, RuntimeInfo, Seed};
