@@ -1,9 +1,9 @@
-# The message codec's fast path (abi/sf_codec.c); codec.py builds the schema and calls it.
+# The message codec's fast path (abi/sf_codec.c); packers.py builds the schema and calls it.
 from typing import Any
 
 from typing_extensions import Buffer
 
-# (kind, offset, struct code, length, record index): one field as codec.py's _schema() lays it out
+# (kind, offset, struct code, length, record index): one field as packers.py's _schema() lays it out
 _Field = tuple[int, int, str, int, int]
 # (record class, size, has a leading struct_size, fields)
 _Record = tuple[type[tuple[Any, ...]], int, bool, tuple[_Field, ...]]

@@ -28,6 +28,7 @@ RECORDS = ("RingRef", "Span", "MsgHeader", "SamplingParams", "LaneAdmit", "LaneP
            "OpCompletion", "TickTimings", "TickMemCounters", "LaneLogprob", "TickEvents", "OpEvents", "QueueReset",
            "PartialEmit", "WorkerNotice", "RuntimeDesc", "Queue", "DataRing", "SegmentLayout", "WorkerCounters",
            "SegmentHeader", "QueueView", "RingView", "SegmentMap")
+_OWNING = frozenset({"SegmentMap"})  # process-local handles (no Clone, no Copy)
 _PRIM = {"uint8_t": "u8", "uint16_t": "u16", "uint32_t": "u32", "uint64_t": "u64", "int8_t": "i8", "int16_t": "i16",
          "int32_t": "i32", "int64_t": "i64", "float": "f32", "double": "f64", "char": "u8", "int": "i32",
          "void": "()", "size_t": "usize", "_Bool": "bool"}
@@ -59,7 +60,9 @@ def rust_source() -> str:
     out.append("")
     for rec in RECORDS:
         t = ffi.typeof(rec)
-        out.append(f"#[derive(Clone, Copy, Debug)]\n#[repr(C)]\npub struct {rec} {{")
+        # SegmentMap owns a mapping and an fd: a copy would unmap and close them twice.
+        derive = "Debug" if rec in _OWNING else "Clone, Copy, Debug"
+        out.append(f"#[derive({derive})]\n#[repr(C)]\npub struct {rec} {{")
         for fname, f in t.fields:
             out.append(f"    pub {fname}: {_rust_type(f.type)},")
         out.append("}")

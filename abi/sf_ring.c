@@ -200,7 +200,7 @@ int sf_session_lock(int fd) {
 
 int sf_session_unlock(int fd) { return flock(fd, LOCK_UN) == 0 ? 0 : -errno; }
 
-/* 1-31 of [A-Za-z0-9_.-], starting with a letter or digit (rings/segment.py's NAME_RE). */
+/* 1-31 of [A-Za-z0-9_.-], starting with a letter or digit (rings/naming.py's NAME_RE). */
 static int name_ok(const char *name) {
     size_t n = strnlen(name, SF_NAME_BYTES);
     if (n == 0 || n >= SF_NAME_BYTES)
@@ -216,7 +216,10 @@ static int name_ok(const char *name) {
 
 /* One try: SF_CONNECT_OK with *out filled, else nothing is left open. */
 static int open_once(const char *path, const char *name, uint32_t index, SegmentMap *out) {
-    int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    int fd;
+    do
+        fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    while (fd < 0 && errno == EINTR);
     if (fd < 0) {
         if (errno == ENOENT)
             return SF_CONNECT_MISSING;

@@ -258,6 +258,7 @@ class Worker:
             self.session = session
             self.ex.lanes.session = session
             self.seg.counters.session_id = session  # at once: sf_session_begin counts past it
+            self.seg.counters.last_plan_seq = 0  # the header: 0 before the new session's first plan
             self.ex.counters.last_plan_seq = None  # plan_seq starts afresh: no session waits on another's
         return True
 

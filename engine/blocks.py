@@ -107,15 +107,15 @@ class BlockPool:
         contents can be copied. Check grow_cost first; this allocates."""
         if n <= 0:
             return None
+        old = self.cow_block(h)
+        # Everything is allocated before h changes: a CapacityError leaves h as it was.
+        fresh = self.alloc((old is not None) + max(0, self.blocks_for(h.length + n) - len(h.blocks)))
         moved = None
-        if (old := self.cow_block(h)) is not None:
-            (fresh,) = self.alloc(1)
-            self.decref([old])
-            h.blocks[-1] = fresh
-            moved = (old, fresh)
-        extra = self.blocks_for(h.length + n) - len(h.blocks)
-        if extra > 0:
-            h.blocks.extend(self.alloc(extra))
+        if old is not None:
+            self.decref([old])  # still held elsewhere (shared), so not freed
+            h.blocks[-1] = fresh[0]
+            moved = (old, fresh.pop(0))
+        h.blocks.extend(fresh)
         return moved
 
     def cut(self, h: Holder, n: int) -> None:

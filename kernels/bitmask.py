@@ -92,8 +92,14 @@ def apply_bitmask(x: np.ndarray, bits: np.ndarray, rows: list[int] | None = None
 
 def apply_bitmask_row(row: np.ndarray, bits: np.ndarray) -> None:
     """In place: every token of `row` (contiguous float32 [V]) that the mask row
-    bits (int32 [ceil(V/32)]) does not allow becomes -inf."""
-    apply_bitmask(row[None], bits[None], None, row[None])
+    bits (integers [ceil(V/32)]) does not allow becomes -inf."""
+    bits = np.ascontiguousarray(bits, dtype=np.int32)
+    if row.flags.c_contiguous:
+        apply_bitmask(row[None], bits[None], None, row[None])
+    else:
+        dense = np.ascontiguousarray(row)
+        apply_bitmask(dense[None], bits[None], None, dense[None])
+        row[...] = dense
 
 
 def _apply_c(x: np.ndarray, bits: np.ndarray, rows: list[int] | None, out: np.ndarray) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from superfluid.kernels import bitmask
 from superfluid.kernels.bitmask import apply_bitmask
 from superfluid.kernels.rng import position_to_int64, uniform_torch
 from superfluid.kernels.sampling_triton import sample_kernel
@@ -96,7 +97,7 @@ def apply_bitmask_torch(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor 
     if x.device.type == "cpu" and x.dtype == torch.float32:
         xn = x.detach().numpy()
         listed = None if rows is None else rows.tolist()
-        if inplace and x.is_contiguous():
+        if inplace and x.is_contiguous() and bitmask.lib is not None:
             apply_bitmask(xn, bits.numpy(), listed, xn)
             return x
         return torch.from_numpy(apply_bitmask(xn, bits.numpy(), listed, reuse=reuse))

@@ -8,12 +8,12 @@ import re
 
 from superfluid.rings.errors import SegmentError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,30}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,30}\Z")  # \Z: no name ends in a newline
 
 
 def shm_dir() -> str:
-    """Where segments live: $SUPERFLUID_SHM_DIR, else /dev/shm."""
-    return os.environ.get("SUPERFLUID_SHM_DIR", "/dev/shm")
+    """Where segments live: $SUPERFLUID_SHM_DIR, else (unset or empty) /dev/shm, as sf_segment_open."""
+    return os.environ.get("SUPERFLUID_SHM_DIR") or "/dev/shm"
 
 
 def segment_path(name: str, index: int) -> str:
@@ -30,7 +30,7 @@ def parse_segment_path(path: str) -> tuple[str, int] | None:
     if not base.startswith("superfluid."):
         return None
     name, _, index = base[len("superfluid."):].rpartition(".")
-    if not NAME_RE.match(name) or not index.isdigit() or int(index) >= 1 << 16:
+    if not NAME_RE.match(name) or not (index.isascii() and index.isdigit()) or int(index) >= 1 << 16:
         return None
     return name, int(index)
 

@@ -791,7 +791,7 @@ const _: () = assert!(offset_of!(RingView, capacity) == 16);
 const _: () = assert!(offset_of!(RingView, ring_id) == 24);
 const _: () = assert!(offset_of!(RingView, elem_bytes) == 28);
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 #[repr(C)]
 pub struct SegmentMap {
     pub seg: *mut SegmentHeader,
