@@ -1,7 +1,7 @@
 """The daemon: one segment and one worker process per index, restarted when
 it dies (contract §1, §9, §10).
 
-A single thread runs everything from one `selectors` loop over:
+A single thread runs everything from one loop (event_loop.py) over:
 - a pidfd per worker process (readable when it exits: a process sentinel,
   no polling, no SIGCHLD races);
 - a self-pipe that `signal.set_wakeup_fd` writes SIGTERM/SIGINT/SIGHUP
@@ -33,12 +33,10 @@ import dataclasses
 import errno
 import logging
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,6 +48,7 @@ from superfluid.rings.layout import SegmentConfig
 from superfluid.rings.naming import segment_path
 from superfluid.rings.segment import Segment
 
+from .event_loop import EventLoop
 from .metrics import WorkerMetrics
 from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
@@ -137,8 +136,7 @@ class Daemon:
         self.python = python
         self.env = dict(env) if env is not None else None
         self._workers: list[_Worker] = []
-        self._sel: selectors.BaseSelector | None = None
-        self._wake_r = self._wake_w = -1
+        self._loop: EventLoop | None = None
         self._stopping = False
         self._stop_requested = False  # set by stop(), from any thread
         self._restore_signals: Callable[[], None] = lambda: None
@@ -174,13 +172,12 @@ class Daemon:
             raise OSError(errno.ENOSYS, "the daemon needs os.pidfd_open (Linux 5.3+)")
         self._started = True
         try:
-            self._sel = selectors.DefaultSelector()
-            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+            self._loop = EventLoop()
             # From here a SIGTERM is noted, not fatal: start-up looks for one
             # between steps and stops making segments and workers at once;
             # serve_forever then removes what was made.
-            self._restore_signals = self._install_signals()
+            if self.handle_signals:
+                self._restore_signals = self._loop.install_signals()
             self._check_no_live_daemon()
             for i in range(self.n_workers):
                 if self._stop_pending():
@@ -235,7 +232,8 @@ class Daemon:
         """Ask serve_forever to drain and return (thread-safe; idempotent;
         before serve_forever runs, it makes serve_forever drain at once)."""
         self._stop_requested = True
-        self._wake(0)
+        if (loop := self._loop) is not None:
+            loop.wake(0)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every worker's header and counters as plain data."""
@@ -247,14 +245,6 @@ class Daemon:
 
     # ------------------------------------------------------------ the loop
 
-    def _wake(self, byte: int) -> None:
-        try:
-            os.write(self._wake_w, bytes([byte]))
-        except BlockingIOError:
-            pass  # the pipe is full: the loop is waking anyway
-        except OSError:
-            pass  # already shut down
-
     def _timeout(self) -> float | None:
         now = time.monotonic()
         due = [w.restart_at - now for w in self._workers if w.restart_at is not None]
@@ -263,12 +253,12 @@ class Daemon:
         return max(0.0, min(due)) if due else None
 
     def _step(self, timeout: float | None) -> None:
-        assert self._sel is not None
-        for key, _ in self._sel.select(timeout):
-            if key.data is None:
+        assert self._loop is not None
+        for w in self._loop.select(timeout):
+            if w is None:
                 self._read_wakeups()
             else:
-                self._reap(key.data)
+                self._reap(w)
         if self._stop_requested and not self._stopping:
             log.info("stop requested")
             self._stopping = True
@@ -280,15 +270,9 @@ class Daemon:
                 self._spawn(w)
 
     def _read_wakeups(self) -> None:
-        while True:
-            try:
-                data = os.read(self._wake_r, 512)
-            except BlockingIOError:
-                return
-            if not data:
-                return
-            for b in data:
-                self._on_wakeup(b)
+        assert self._loop is not None
+        for b in self._loop.read():
+            self._on_wakeup(b)
 
     def _on_wakeup(self, signum: int) -> None:
         if signum == 0:
@@ -307,22 +291,6 @@ class Daemon:
         """Whether a SIGTERM/SIGINT (or stop()) came during start(): read now, not after it."""
         self._read_wakeups()
         return self._stopping or self._stop_requested
-
-    def _install_signals(self) -> Callable[[], None]:
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        # The C-level handler writes the signal number into the pipe; the
-        # Python handler has nothing left to do but replace the default action.
-        old_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        old = {s: signal.signal(s, lambda *_: None) for s in sigs}
-
-        def restore() -> None:
-            for s, h in old.items():
-                signal.signal(s, h)
-            signal.set_wakeup_fd(old_fd)
-
-        return restore
 
     # --------------------------------------------------------- one worker
 
@@ -376,8 +344,8 @@ class Daemon:
             raise
         w.proc, w.pidfd = proc, pidfd
         h.worker_pid = proc.pid  # the worker writes it too; status shows it while STARTING
-        assert self._sel is not None
-        self._sel.register(pidfd, selectors.EVENT_READ, w)
+        assert self._loop is not None
+        self._loop.watch(pidfd, w)
         log.info("worker %d started: pid %d, epoch %d", w.index, proc.pid, w.epoch)
 
     def _check_ready(self) -> None:
@@ -394,8 +362,8 @@ class Daemon:
 
     def _unwatch(self, w: _Worker) -> int:
         """Stop watching w's exited process; its exit status."""
-        assert w.proc is not None and self._sel is not None
-        self._sel.unregister(w.pidfd)
+        assert w.proc is not None and self._loop is not None
+        self._loop.unwatch(w.pidfd)
         os.close(w.pidfd)
         w.pidfd = -1
         if w.control is not None:
@@ -549,12 +517,8 @@ class Daemon:
                     w.seg.set_worker_state(WorkerState.STOPPED)  # a planner still mapped sees PeerGone
                 w.seg.close()
             w.seg.unlink()
-        if self._sel is not None:
-            self._sel.close()
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        if self._loop is not None:
+            self._loop.close()
         if self._workers:
             log.info("daemon %s stopped; segments removed", self.name)
 

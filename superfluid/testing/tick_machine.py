@@ -1,5 +1,5 @@
 """The tick machine: a hypothesis state machine that plays the model planner
-(superfluid.testing.planner) against an executor on the fake runtime, over
+(superfluid.testing.model_planner) against an executor on the fake runtime, over
 a table of runtime configurations (a subclass per configuration)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor
 from superfluid.testing.executor import small_rings
 from superfluid.testing.invariants import check_invariants
-from superfluid.testing.planner import Planner
+from superfluid.testing.model_planner import Planner
 
 CONFIGS = [
     # a small pool and few slots: NeedsReplan and evictions; prefill in steps of 4 (yields cut it)

@@ -24,7 +24,7 @@ from superfluid.client.builder import PlanBuilder
 from superfluid.engine.fake import FakeRuntime
 from superfluid.testing.executor import HOST, make_executor, put
 from superfluid.testing.invariants import assert_unchanged, check_invariants, snapshot
-from superfluid.testing.planner import Planner
+from superfluid.testing.model_planner import Planner
 
 RUNTIMES = [
     dict(vocab_size=32, max_seq_len=40, page=4, eos_rate=0.1),

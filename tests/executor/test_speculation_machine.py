@@ -18,7 +18,7 @@ from superfluid.abi import OpStatus
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor
 from superfluid.testing.executor import small_rings
-from superfluid.testing.planner import Planner
+from superfluid.testing.model_planner import Planner
 from superfluid.testing.speculation import clock
 from superfluid.testing.tick_machine import CONFIGS, TickMachine
 

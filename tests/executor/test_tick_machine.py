@@ -3,7 +3,7 @@ runtime with random VALID plans: admits (greedy, sampled, HOST), chunked
 prefills under a token budget, decodes with random grants, host commits of
 the emitted rows, retires with and without publish, cache evictions in a
 small pool, injected faults (on the runtime and by op), yields, cache
-clears. After every tick (superfluid.testing.planner's Planner.tick, check_events,
+clears. After every tick (superfluid.testing.model_planner's Planner.tick, check_events,
 check_invariants): cells are conserved and forward-once holds, the shed
 report reconciles, no lane is lost, every emit is a decoded lane's, the
 tick status is contract §4's, and the planner's view of each lane equals the
