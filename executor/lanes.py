@@ -69,7 +69,7 @@ class Lane:
         return "prefilling" if self.prefilled < self.prefill_end else "decoding"
 
 
-class FaultedLanes(set):
+class FaultedLanes(set[int]):
     """Faulted lanes not yet retired: the set of their tags (what the checks
     read), which also keeps each lane as it was when it faulted (its sequence
     is gone), for LIST_LANES and a retire by session."""
@@ -82,9 +82,10 @@ class FaultedLanes(set):
         self.add(lane.tag)
         self.lanes[lane.tag] = lane
 
-    def discard(self, tag: int) -> None:
+    def discard(self, tag: object) -> None:
         super().discard(tag)
-        self.lanes.pop(tag, None)
+        if isinstance(tag, int):  # (no other kind of key is kept)
+            self.lanes.pop(tag, None)
 
 
 class Lanes(dict[int, Lane]):
