@@ -148,7 +148,7 @@ class DecodePhase(TickState):
         GRAMMAR_OVERFLOW (and has no row), the others go on."""
         reg = self.ex.registry.grammars
         bits = reg.bitmask(len(tags), fill=False)  # fill writes every row
-        bad = reg.fill([(self.ex.lanes[tag].grammar, j) for j, tag in enumerate(tags)], bits)
+        bad = reg.fill([(self.ex.lanes[tag].matcher(), j) for j, tag in enumerate(tags)], bits)
         for j in bad:
             self.fault(tags[j], _GRAMMAR_OVERFLOW)
             remaining.pop(tags[j], None)

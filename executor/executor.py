@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from superfluid.abi import ShedReason, Status, TickStatus
 from superfluid.abi.plan_codec import PlanReject, check_plan, decode_plan, plan_seq_of
@@ -307,7 +306,7 @@ class Executor:
         rejected plan."""
         h = hashlib.sha256()
 
-        def put(*xs: Any) -> None:
+        def put(*xs: object) -> None:
             h.update(repr(xs).encode())
 
         lanes, c, reg = self.lanes, self.counters, self.registry

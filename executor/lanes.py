@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from superfluid.abi.records import RingRef, SamplingParams
+
+if TYPE_CHECKING:
+    from superfluid.executor.grammar import Matcher
+    from superfluid.executor.host_sampling import Bias
+    from superfluid.executor.speculation import LaneSpec
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,12 +38,12 @@ class Lane:
     pending_row: PendingRow | None = None
     finished: bool = False
     rng_counter: int = 0  # sampled and committed tokens: draw position = rng_base + rng_counter
-    bias: Any = None  # a registered logit bias
+    bias: Bias | None = None  # a registered logit bias
     grammar_handle: int = 0  # the grammar it borrows (Registry.grammars), 0 = none
-    grammar: Any = None  # its grammar.Matcher while it borrows one
+    grammar: Matcher | None = None  # while it borrows one
     logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
     granted_class: int = 0
-    spec: Any = None  # its spec.LaneSpec when it was admitted with a strategy it can draft with
+    spec: LaneSpec | None = None  # when it was admitted with a strategy it can draft with
     # Fixed for the lane's life, worked out once at admission (the decode loop reads them every round).
     greedy: bool = False
     ignore_eos: bool = False
@@ -67,6 +72,16 @@ class Lane:
         if self.finished:
             return "finished"
         return "prefilling" if self.prefilled < self.prefill_end else "decoding"
+
+    def drafter(self) -> LaneSpec:
+        """The LaneSpec of a lane the caller knows drafts."""
+        assert self.spec is not None
+        return self.spec
+
+    def matcher(self) -> Matcher:
+        """The grammar of a lane the caller knows borrows one."""
+        assert self.grammar is not None
+        return self.grammar
 
 
 class FaultedLanes(set[int]):

@@ -3,7 +3,7 @@ message names it, and never echoes more than a bounded piece of the input."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -31,7 +31,7 @@ def clip(text: str, limit: int) -> str:
     return b[:max(0, limit - 3)].decode("utf-8", "ignore") + "..."
 
 
-def echo(v: Any) -> str:
+def echo(v: object) -> str:
     """A quote of an input value, at most ECHO_BYTES: a container is named,
     never rendered (its repr alone could be megabytes)."""
     if isinstance(v, (list, tuple, dict, set)):

@@ -106,15 +106,16 @@ class SpecPhase(TickState):
         out: dict[int, list[int]] = {}
         for tag in todo:
             lane = ex.lanes[tag]
+            drafter = lane.drafter()
             held = len(lane.committed) - 1  # cells before this round's feed (its token is the pending one)
-            k = min(lane.spec.depth, remaining[tag] + over[tag] - 1, max_len - held - 2)
+            k = min(drafter.depth, remaining[tag] + over[tag] - 1, max_len - held - 2)
             if spare is not None:
                 # Past the cells promised to it, a lane's feed may take only spare pages.
                 own = -(-max(self.cells_after.get(tag, 0), held) // page)
                 k = min(k, (own + spare) * page - held - 1)
             if k <= 0:
                 continue
-            d = lane.spec.propose(lane.committed, k)
+            d = drafter.propose(lane.committed, k)
             if not d:
                 continue
             if spare is not None:
@@ -206,7 +207,7 @@ class SpecPhase(TickState):
         stats = self.spec_stats[tag]
         stats[0] += len(draft)
         stats[1] += accepted
-        lane.spec.verified(len(draft), accepted)
+        lane.drafter().verified(len(draft), accepted)
         # Keep the pending token's cell and the taken drafts; the last taken token is pending.
         keep = start - 1 + max(taken, 1)
         if keep < start + len(draft):
