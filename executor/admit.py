@@ -4,21 +4,16 @@ by the path the memory check chose (seeds.py says what each path does).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from superfluid.abi import Determinism, ParamFlag, Sampling, ShedReason
 from superfluid.abi.records import AdmitResult
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
 from superfluid.executor import host_sampling as hs
 from superfluid.executor.check import admitted_span
-from superfluid.executor.decode import lane_fault_code
+from superfluid.executor.decode import lane_fault
 from superfluid.executor.lanes import Lane
 from superfluid.executor.seeds import SeedUse
 from superfluid.executor.speculation import LaneSpec, drafts
-
-if TYPE_CHECKING:
-    from superfluid.engine.runtime import Runtime
-    from superfluid.executor.executor import Executor
+from superfluid.executor.tick_state import TickState
 
 _GREEDY, _HOST = int(Sampling.GPU_GREEDY), int(Sampling.HOST)
 _IGNORE_EOS = int(ParamFlag.IGNORE_EOS)
@@ -28,15 +23,12 @@ def grant(asked: int, holds: int) -> int:
     """The class an admit is granted: what it asked, where what holds
     implies it; else what holds (SEED_PATH_INVARIANT implies DISTRIBUTION_EXACT)."""
     best, spi, dist = Determinism.BEST_EFFORT, Determinism.SEED_PATH_INVARIANT, Determinism.DISTRIBUTION_EXACT
-    implied = {spi: {best, spi, dist}, dist: {best, dist}}
+    implied: dict[int, set[int]] = {spi: {best, spi, dist}, dist: {best, dist}}
     return asked if asked in implied.get(holds, {best}) else holds
 
 
-class AdmitPhase:
+class AdmitPhase(TickState):
     """The admission phases of a Tick (tick.py holds the rest)."""
-
-    ex: Executor  # (set by Tick)
-    rt: Runtime
 
     def takeovers(self) -> None:
         """Seeds that take their entry's own sequence, cut to the seed."""
@@ -50,7 +42,7 @@ class AdmitPhase:
             ex.leases.consume(use.lease)  # its entry is the lane's now: nothing to unpin
             if len(e.tokens) > use.keep:
                 try:
-                    self.rt.seq_truncate(e.seq, use.keep)
+                    self.rt.seq_truncate(e.resident_seq(), use.keep)
                 except RuntimeFailure as err:
                     raise ex.fatal("cutting a taken-over entry back", err) from err
             self._shed_entry(a.lane_tag, ShedReason.TAKEOVER, e.bytes, len(e.tokens))
@@ -83,6 +75,7 @@ class AdmitPhase:
             if a.strategy_slot:
                 st = ex.registry.strategies.get(a.strategy_slot)
                 if drafts(a.sampling, a.grammar_handle, bias, a.want_logprobs):
+                    assert st is not None  # the check refused an admit of an empty slot
                     lane.spec = LaneSpec(st)
                     cert = st.cert_id
             self.admit_results.append(AdmitResult(lane_tag=a.lane_tag, status=1, reject_code=0, cert_id=cert,
@@ -107,13 +100,13 @@ class AdmitPhase:
         lane.prefilled = use.n
         lane.pending_input = prefix[-1] if use.full else None
         if use.path in ("takeover", "adopt"):
-            lane.seq = e.seq
+            lane.seq = e.resident_seq()
             if use.path == "adopt":
                 ex.cache.remove(e)
                 ex.leases.consume(use.lease)
                 if use.full:
                     try:
-                        rt.seq_truncate(e.seq, use.keep)
+                        rt.seq_truncate(e.resident_seq(), use.keep)
                     except RuntimeFailure as err:
                         raise ex.fatal("cutting an adopted sequence back", err) from err
             ex.lanes[lane.tag] = lane
@@ -123,9 +116,9 @@ class AdmitPhase:
         ex.leases.drop(use.lease)
         try:
             if use.path == "copy":
-                rt.seq_copy(e.seq, lane.seq, use.keep)
+                rt.seq_copy(e.resident_seq(), lane.seq, use.keep)
             else:
-                got = rt.seq_import(lane.seq, e.blob)
+                got = rt.seq_import(lane.seq, e.exported_blob())
                 if got != len(e.tokens):
                     raise CapacityError(f"the import brought {got} cells back, the entry holds {len(e.tokens)}")
                 if got > use.keep:
@@ -134,7 +127,7 @@ class AdmitPhase:
             raise ex.fatal(f"seeding a lane ({use.path})", err) from err
         except RuntimeFailure as err:
             if use.path == "copy":
-                self.fault(lane.tag, lane_fault_code(err))
+                self.fault(lane.tag, lane_fault(err))
                 return
             self._lost_import(lane, use)
             return

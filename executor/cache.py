@@ -10,8 +10,9 @@ O(entries) (contract §6).
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 
 @dataclasses.dataclass(eq=False)
@@ -25,13 +26,23 @@ class CacheEntry:
     order: int  # insertion order: the LRU tie-break
     pins: int = 0  # live seed leases on it
     seeded: int = 0  # admits that copied from it
-    blob: bytes | None = None  # the exported state (host tier)
+    blob: builtins.bytes | None = None  # the exported state (host tier); `bytes` is the field above
     checkpoint: bool = False  # made by the executor on its own: given back whenever a plan needs room
     bare: bool = False  # an imported sequence its import lease may still adopt
 
     @property
     def resident(self) -> bool:
         return self.seq is not None
+
+    def resident_seq(self) -> int:
+        """The sequence of an entry the caller knows is resident."""
+        assert self.seq is not None
+        return self.seq
+
+    def exported_blob(self) -> builtins.bytes:
+        """The state of an entry the caller knows is exported."""
+        assert self.blob is not None
+        return self.blob
 
 
 class _Node:
@@ -107,19 +118,21 @@ class PrefixCache:
 
     # ------------------------------------------------------------ lookup
 
-    def _walk(self, tokens, pages: int) -> list[_Node]:
+    def _walk(self, tokens: Sequence[int], pages: int) -> list[_Node]:
         """The trie path of tokens' first `pages` whole pages (root first),
         as deep as it exists."""
         p = self.page
-        node, path = self._root, [self._root]
+        node: _Node | None = self._root
+        path = [self._root]
         for k in range(pages):
+            assert node is not None
             node = node.children.get(tuple(tokens[k * p:(k + 1) * p]))
             if node is None:
                 break
             path.append(node)
         return path
 
-    def covering(self, tokens) -> tuple[int, list[CacheEntry]]:
+    def covering(self, tokens: Sequence[int]) -> tuple[int, list[CacheEntry]]:
         """The longest whole-page prefix of `tokens` that entries hold, and
         those entries: (pages, entries); (0, []) when none shares a page."""
         path = self._walk(tokens, len(tokens) // self.page)
@@ -127,7 +140,7 @@ class PrefixCache:
             return 0, []
         return len(path) - 1, [self.entries[i] for i in path[-1].through]
 
-    def longest_exact(self, tokens) -> CacheEntry | None:
+    def longest_exact(self, tokens: Sequence[int]) -> CacheEntry | None:
         """exact_only: the longest entry whose whole key is a prefix of tokens."""
         p = self.page
         best: CacheEntry | None = None
@@ -140,7 +153,7 @@ class PrefixCache:
                         best = e
         return best
 
-    def page_prefixes(self, tokens) -> list[CacheEntry]:
+    def page_prefixes(self, tokens: Sequence[int]) -> list[CacheEntry]:
         """Entries whose whole key is a shorter whole-page prefix of tokens (one walk)."""
         out = []
         for depth, node in enumerate(self._walk(tokens, len(tokens) // self.page)):
@@ -212,11 +225,13 @@ class PrefixCache:
         for node in reversed(path[1:]):  # prune what no entry passes through any more
             if node.through or node.ends or node.children:
                 break
-            del node.parent.children[node.key]
+            parent = node.parent
+            assert parent is not None  # path[1:] holds no root
+            del parent.children[node.key]
 
     def set_exported(self, e: CacheEntry, blob: bytes) -> None:
         """The entry's state left the pool for host memory."""
-        del self._by_seq[e.seq]
+        del self._by_seq[e.resident_seq()]
         self._resident_bytes -= e.bytes
         if not e.pins:
             self._unpinned_bytes -= e.bytes

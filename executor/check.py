@@ -19,10 +19,12 @@ from superfluid.executor.seeds import SeedUse, is_bare
 from superfluid.rings.errors import RefError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from superfluid.executor.executor import Executor
     from superfluid.executor.grammar import Matcher
 
-_SIZE = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
+_SIZE: dict[str, int] = {n: ffi.sizeof(n) for n in ("TickEvents", "AdmitResult", "LaneEmit", "LaneFault", "ShedEntry",
                                      "LaneLogprob")}
 # Plain ints: `int & IntFlag` builds a flag object (microseconds a tick).
 _DRAIN = int(PlanFlag.DRAIN)
@@ -41,7 +43,7 @@ class Verdict:
     evict: list[CacheEntry]  # entries that leave the pool to make room
     unpublish: set[int]  # publishing retires that free instead, to make room
     cells_after: dict[int, int]  # each prefilled or decoded lane's cells at the end, at most
-    cursors: dict  # grammar admits by lane tag: the matcher that replayed grammar_replay
+    cursors: dict[int, Matcher]  # grammar admits by lane tag: the matcher that replayed grammar_replay
 
 
 def reject(status: Status, field: str, message: str) -> PlanReject:
@@ -64,7 +66,7 @@ def check(ex: Executor, plan: TickPlan) -> Verdict:
         raise reject(Status.RejectIllegalCombination, "TickPlan.admits", "admits in a DRAIN plan")
     ex.sweep_leases()
     # Each step runs where its list has something to check (an empty list passes every rule).
-    cursors: dict = {}
+    cursors: dict[int, Matcher] = {}
     prompts, seeds = _admits(ex, plan, cursors) if plan.admits else ({}, {})
     if plan.commits:
         _commits(ex, plan)
@@ -77,14 +79,16 @@ def check(ex: Executor, plan: TickPlan) -> Verdict:
     return Verdict(plan, prompts, seeds, evict, unpublish, cells_after, cursors)
 
 
-def admit_of(plan: TickPlan, tag: int) -> LaneAdmit | None:
+def admit_of(plan: TickPlan, tag: int) -> LaneAdmit:
+    """The plan's admit of a lane the caller knows it admits."""
     for a in plan.admits:
         if a.lane_tag == tag:
             return a
-    return None
+    raise AssertionError(f"the plan admits no lane {tag}")
 
 
-def _admits(ex: Executor, plan: TickPlan, cursors: dict) -> tuple[dict[int, list[int]], dict[int, SeedUse]]:
+def _admits(ex: Executor, plan: TickPlan,
+            cursors: dict[int, Matcher]) -> tuple[dict[int, list[int]], dict[int, SeedUse]]:
     desc = ex.desc
     prompts: dict[int, list[int]] = {}
     seeds: dict[int, SeedUse] = {}
@@ -132,7 +136,8 @@ def _admits(ex: Executor, plan: TickPlan, cursors: dict) -> tuple[dict[int, list
     return prompts, seeds
 
 
-def _grammar(ex: Executor, plan: TickPlan, a: LaneAdmit, prompt, seen: dict[int, int], i: int, f: str) -> Matcher:
+def _grammar(ex: Executor, plan: TickPlan, a: LaneAdmit, prompt: np.ndarray, seen: dict[int, int], i: int,
+             f: str) -> Matcher:
     """Step 4's grammar rules, in order; the cursor that replayed the prompt's tail."""
     h = a.grammar_handle
     reg = ex.registry.grammars

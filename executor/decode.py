@@ -9,7 +9,6 @@ speculation_decode.py's.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,11 +33,8 @@ from superfluid.engine.runtime import (
 )
 from superfluid.executor import host_sampling as hs
 from superfluid.executor.lanes import Lane, PendingRow
+from superfluid.executor.tick_state import TickState
 from superfluid.rings.errors import RefError
-
-if TYPE_CHECKING:
-    from superfluid.engine.runtime import Runtime
-    from superfluid.executor.executor import Executor
 
 _HOST = int(Sampling.HOST)
 _OK, _TICK_OK, _TICK_SHED, _TICK_LANE_ERRORS = int(Status.OK), int(TickStatus.OK), int(TickStatus.SHED), \
@@ -62,6 +58,13 @@ def lane_fault_code(e: RuntimeFailure) -> int | None:
     return int(Fault.INTERNAL)  # Unsupported, UnknownSequence, OutOfBounds: ours, but a lane's
 
 
+def lane_fault(e: RuntimeFailure) -> int:
+    """lane_fault_code of an error the caller knows is not a FatalError (caught before it)."""
+    code = lane_fault_code(e)
+    assert code is not None
+    return code
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class DecodeRound:
     """What a decode round keeps by lane tag besides the tick's rows
@@ -74,12 +77,14 @@ class DecodeRound:
     bits: np.ndarray | None = None
     masks: dict[int, int] = dataclasses.field(default_factory=dict)
 
+    def mask_rows(self) -> np.ndarray:
+        """The bitmask, there whenever masks is not empty."""
+        assert self.bits is not None
+        return self.bits
 
-class DecodePhase:
+
+class DecodePhase(TickState):
     """The decode and events phases of a Tick (tick.py holds the rest)."""
-
-    ex: Executor  # (set by Tick)
-    rt: Runtime
 
     # ----------------------------------------------------------- decode
 
@@ -143,7 +148,7 @@ class DecodePhase:
         GRAMMAR_OVERFLOW (and has no row), the others go on."""
         reg = self.ex.registry.grammars
         bits = reg.bitmask(len(tags), fill=False)  # fill writes every row
-        bad = reg.fill([(self.ex.lanes[tag].grammar, j) for j, tag in enumerate(tags)], bits)
+        bad = reg.fill([(self.ex.lanes[tag].matcher(), j) for j, tag in enumerate(tags)], bits)
         for j in bad:
             self.fault(tags[j], _GRAMMAR_OVERFLOW)
             remaining.pop(tags[j], None)
@@ -206,7 +211,7 @@ class DecodePhase:
             else:
                 self._step_chunk(chunk, r)
 
-    def _take_round(self, r: DecodeRound, eos, max_len: int) -> list[tuple[int, int]]:
+    def _take_round(self, r: DecodeRound, eos: frozenset[int], max_len: int) -> list[tuple[int, int]]:
         """Each lane with a sampled token, a row or verified rows takes its
         token(s); the next round: the lanes that feed one, with it."""
         rows, picked, verified = self.rows, r.picked, self.spec_rows  # drafting lanes': tag -> (rows, draft)
@@ -230,7 +235,7 @@ class DecodePhase:
                 next_round.append((tag, token))
         return next_round
 
-    def _take(self, lane: Lane, r: DecodeRound, eos, max_len: int) -> int | None:
+    def _take(self, lane: Lane, r: DecodeRound, eos: frozenset[int], max_len: int) -> int | None:
         """The lane's token of this round: sampled on the device, else picked
         from its row on the host (a HOST lane's row goes to the logits ring
         instead); committed. The token it feeds next round, or None."""
@@ -255,7 +260,7 @@ class DecodePhase:
                 lane.pending_row = PendingRow(ex.fresh_nonce(), ref)
                 return None
             j = r.masks.pop(tag, None)
-            token = self._host_pick(lane, row, None if j is None else r.bits[j])
+            token = self._host_pick(lane, row, None if j is None else r.mask_rows()[j])
         if lane.grammar is not None and not lane.grammar.accept(token):
             self.fault(tag, _GRAMMAR_OVERFLOW)  # a token its mask should not have allowed
             remaining.pop(tag, None)
@@ -264,7 +269,9 @@ class DecodePhase:
         lane.rng_counter += 1
         out = self.out_tokens[tag]
         if self.partial:
-            ex.partial_sink(self.plan.plan_seq, tag, token, len(out))
+            sink = ex.partial_sink
+            assert sink is not None  # self.partial says there is one
+            sink(self.plan.plan_seq, tag, token, len(out))
         out.append(token)
         remaining[tag] -= 1
         lane.pending_input = token
@@ -288,9 +295,9 @@ class DecodePhase:
         lanes = [ex.lanes[tag] for tag, _ in chunk]
         feeds = [Feed(ln.seq, [tok], True, True) for ln, (_, tok) in zip(lanes, chunk)]
         tags = [tag for tag, _ in chunk]
-        specs = [self._engine_spec(ln) for ln in lanes]
-        if all(s is not None for s in specs):
-            tm = self._token_masks(r.bits, r.masks, tags) if r.masks else None
+        specs = [s for s in (self._engine_spec(ln) for ln in lanes) if s is not None]
+        if len(specs) == len(lanes):
+            tm = self._token_masks(r.mask_rows(), r.masks, tags) if r.masks else None
             try:
                 toks = rt.step_sampled(feeds, specs, tm) if tm is not None else rt.step_sampled(feeds, specs)
             except RuntimeFailure as e:
@@ -308,7 +315,7 @@ class DecodePhase:
 
     def _host_pick(self, lane: Lane, row: np.ndarray, mask: np.ndarray | None = None) -> int:
         ex = self.ex
-        exempt = frozenset()
+        exempt: frozenset[int] = frozenset()
         if hs.penalizes(lane.params):
             if ex.registry.penalty_exempt is None:
                 v = self.rt.vocabulary()

@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from superfluid.abi import ShedReason, Status, TickStatus
 from superfluid.abi.plan_codec import PlanReject, check_plan, decode_plan, plan_seq_of
@@ -25,6 +24,7 @@ from superfluid.engine.runtime import FatalError, MemCounters, Runtime, RuntimeF
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check, empty_events_fit
 from superfluid.executor.lanes import Lanes
+from superfluid.executor.op_fields import OpMessage
 from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
 from superfluid.executor.state import Counters, Pending, Registry
@@ -80,7 +80,7 @@ class Executor:
                  fault_injection: bool = False, fatal_exit: bool = False,
                  cache_max_bytes: int | str | None = AUTO, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
                  max_leases: int = DEFAULT_MAX_LEASES, clock: Callable[[], int] = time.perf_counter_ns,
-                 state_dir: str | os.PathLike | None = None, state_dir_bytes: int | None = None):
+                 state_dir: str | os.PathLike[str] | None = None, state_dir_bytes: int | None = None):
         self.runtime = runtime
         self.desc = runtime.desc
         self.rings = rings or LocalRings()
@@ -92,6 +92,7 @@ class Executor:
         if cache_max_bytes == AUTO:
             mem = runtime.mem_counters()
             cache_max_bytes = mem.cells_total * runtime.cell_bytes() // 2 if mem.cells_total else None
+        assert not isinstance(cache_max_bytes, str), f"cache_max_bytes: bytes, None or {AUTO!r}"
         self.cache = PrefixCache(self.page, cache_max_bytes, host_cache_bytes)
         self.leases = LeaseTable(self.cache, max_leases)
         self.registry = Registry(runtime)
@@ -149,7 +150,7 @@ class Executor:
         if cap <= 0 or e.bare:
             return False
         try:
-            blob = self.runtime.seq_export(e.seq)
+            blob = self.runtime.seq_export(e.resident_seq())
         except FatalError as err:
             raise self.fatal("exporting a cache entry", err) from err
         except (Unsupported, RuntimeFailure):
@@ -159,12 +160,13 @@ class Executor:
         over = self.cache.host_bytes + len(blob) - cap
         if over > 0:
             olds = self.cache.lru(resident=False)
-            drop, freed = [], 0
+            drop: list[CacheEntry] = []
+            freed = 0
             for old in olds:
                 if freed >= over:
                     break
                 drop.append(old)
-                freed += len(old.blob)
+                freed += len(old.exported_blob())
             if freed < over:
                 return False
             for old in drop:
@@ -179,28 +181,28 @@ class Executor:
         `decoded`: the record came from decode_plan, whose record-level checks
         it has passed already."""
         t0 = self.clock()
-        record = isinstance(plan, TickPlan)
-        seq = plan.plan_seq if record else plan_seq_of(plan)
+        seq = plan.plan_seq if isinstance(plan, TickPlan) else plan_seq_of(plan)
         if self.dead:
             return self._refused(seq, Status.Fatal, "executor", self.dead)
         try:
-            if record:
+            if isinstance(plan, TickPlan):
                 if not decoded:
                     check_plan(plan)  # the record-level checks decode_plan runs on bytes
+                record = plan
             else:
-                plan = decode_plan(plan)
-            if not (plan.admits or plan.prefills or plan.decodes or plan.commits or plan.retires):
-                events = self._tick_empty(plan, t0)
+                record = decode_plan(plan)
+            if not (record.admits or record.prefills or record.decodes or record.commits or record.retires):
+                events = self._tick_empty(record, t0)
                 if events is not None:
                     return TickResult(Status.OK, events)
-            verdict = self.check(plan)
+            verdict = self.check(record)
         except PlanReject as r:
             self.counters.rejects += 1
             return self._refused(seq, r.status, r.field, r.message)
         try:
             events = self.apply(verdict, t0)
         except ExecutorFatal as e:
-            return self._refused(plan.plan_seq, Status.Fatal, "runtime", str(e))
+            return self._refused(record.plan_seq, Status.Fatal, "runtime", str(e))
         return TickResult(Status.OK, events)
 
     def check(self, plan: TickPlan) -> Verdict:
@@ -276,7 +278,7 @@ class Executor:
 
     # ---------------------------------------------------------------- ops
 
-    def op(self, msg: dict | bytes, *, queue: bool = False) -> OpCompletion:
+    def op(self, msg: OpMessage | bytes, *, queue: bool = False) -> OpCompletion:
         """Run one op now; its OpCompletion. queue=True also holds the
         completion for the next tick's events (the worker's way)."""
         from superfluid.executor.ops import run_op
@@ -304,7 +306,7 @@ class Executor:
         rejected plan."""
         h = hashlib.sha256()
 
-        def put(*xs: Any) -> None:
+        def put(*xs: object) -> None:
             h.update(repr(xs).encode())
 
         lanes, c, reg = self.lanes, self.counters, self.registry

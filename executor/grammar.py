@@ -27,16 +27,22 @@ import json
 import os
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import llguidance
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+    from superfluid.engine.runtime import Runtime
+
 KINDS = ("json_schema", "regex", "lark", "gbnf", "choice")
 MAX_GRAMMARS = 1024  # registered at once (each holds a compiled lexer: up to MBs at vocab 32k)
 # An untrained model loops on flexible JSON whitespace; a schema may still opt in
 # through its own "x-guidance" (these are defaults, under the schema's).
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 _LIMITS = LLParserLimits(verbose_errors=False)  # a message names the problem, not the parser state
 
 
@@ -86,7 +92,7 @@ def grammar_source(kind: str, text: str | Sequence[str]) -> str:
     try:
         if kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
-        return llguidance.grammar_from(kind, text)
+        return llguidance.grammar_from(cast("llguidance.GrammarFormat", kind), text)  # one of KINDS
     except Exception as e:  # ValueError, and what the GBNF converter raises
         raise GrammarError(_message(str(e))) from e
 
@@ -217,7 +223,7 @@ class GrammarRegistry:
         self._borrowers: dict[int, int] = {}  # handle -> lane tag
 
     @classmethod
-    def for_runtime(cls, runtime, **kw) -> GrammarRegistry:
+    def for_runtime(cls, runtime: Runtime, **kw: int) -> GrammarRegistry:
         """The registry over a runtime's tokenizer (engine.runtime.Runtime.tokenizer_json)."""
         return cls(runtime.tokenizer_json, runtime.desc.vocab_size, runtime.vocabulary().eos, **kw)
 

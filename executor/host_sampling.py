@@ -49,13 +49,21 @@ class GrammarMask(Protocol):
 class SamplingParamsLike(Protocol):
     """What pick reads of SamplingParams (abi.records.SamplingParams fits)."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    presence_penalty: float
-    freq_penalty: float
+    # Read-only members: a frozen record fits.
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def repeat_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def freq_penalty(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import msgpack
 from superfluid.abi import OpStatus
 from superfluid.executor.executor import Executor, ExecutorFatal
 from superfluid.executor.lanes import Lane
-from superfluid.executor.op_fields import OpError, field, flag, u64, u64_list
+from superfluid.executor.op_fields import OpError, OpMessage, field, flag, u64, u64_list
 from superfluid.executor.tick import RetirePhase
 
 MAX_LIST = 1024
@@ -39,14 +39,14 @@ def _held(ex: Executor) -> list[tuple[int, Lane | None, str]]:
     return rows
 
 
-def _row(tag: int, lane: Lane | None, state: str) -> dict:
+def _row(tag: int, lane: Lane | None, state: str) -> dict[str, object]:
     if lane is None:  # (a tag marked faulted without its lane: nothing more is known)
         return {"tag": tag, "prompt": 0, "generated": 0, "state": state, "session": 0}
     return {"tag": tag, "prompt": len(lane.prompt), "generated": lane.generated, "state": state,
             "session": lane.session}
 
 
-def list_lanes(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def list_lanes(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     after = u64(msg, "after", 0)
     limit = field(msg, "limit", int) if "limit" in msg else DEFAULT_LIST
     if not 1 <= limit <= MAX_LIST:
@@ -62,7 +62,7 @@ def list_lanes(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return 0, len(ex.lanes) + len(ex.lanes.faulted), payload
 
 
-def _chosen(ex: Executor, msg: dict) -> list[int]:
+def _chosen(ex: Executor, msg: OpMessage) -> list[int]:
     """The tags to retire, in order; every one live or faulted."""
     every = flag(msg, "all")
     if every:
@@ -81,7 +81,7 @@ def _chosen(ex: Executor, msg: dict) -> list[int]:
     return tags
 
 
-def retire_lanes(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def retire_lanes(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     if ex.dead:  # the runtime's state is unknown: touch none of it
         raise OpError(OpStatus.Refused, ex.dead)
     publish = flag(msg, "publish")

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from superfluid.abi.records import RingRef, SamplingParams
+
+if TYPE_CHECKING:
+    from superfluid.executor.grammar import Matcher
+    from superfluid.executor.host_sampling import Bias
+    from superfluid.executor.speculation import LaneSpec
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,12 +38,12 @@ class Lane:
     pending_row: PendingRow | None = None
     finished: bool = False
     rng_counter: int = 0  # sampled and committed tokens: draw position = rng_base + rng_counter
-    bias: Any = None  # a registered logit bias
+    bias: Bias | None = None  # a registered logit bias
     grammar_handle: int = 0  # the grammar it borrows (Registry.grammars), 0 = none
-    grammar: Any = None  # its grammar.Matcher while it borrows one
+    grammar: Matcher | None = None  # while it borrows one
     logprobs_top: int | None = None  # alternatives wanted per token (want_logprobs - 1), None = no logprobs
     granted_class: int = 0
-    spec: Any = None  # its spec.LaneSpec when it was admitted with a strategy it can draft with
+    spec: LaneSpec | None = None  # when it was admitted with a strategy it can draft with
     # Fixed for the lane's life, worked out once at admission (the decode loop reads them every round).
     greedy: bool = False
     ignore_eos: bool = False
@@ -68,8 +73,18 @@ class Lane:
             return "finished"
         return "prefilling" if self.prefilled < self.prefill_end else "decoding"
 
+    def drafter(self) -> LaneSpec:
+        """The LaneSpec of a lane the caller knows drafts."""
+        assert self.spec is not None
+        return self.spec
 
-class FaultedLanes(set):
+    def matcher(self) -> Matcher:
+        """The grammar of a lane the caller knows borrows one."""
+        assert self.grammar is not None
+        return self.grammar
+
+
+class FaultedLanes(set[int]):
     """Faulted lanes not yet retired: the set of their tags (what the checks
     read), which also keeps each lane as it was when it faulted (its sequence
     is gone), for LIST_LANES and a retire by session."""
@@ -82,9 +97,10 @@ class FaultedLanes(set):
         self.add(lane.tag)
         self.lanes[lane.tag] = lane
 
-    def discard(self, tag: int) -> None:
+    def discard(self, tag: object) -> None:
         super().discard(tag)
-        self.lanes.pop(tag, None)
+        if isinstance(tag, int):  # (no other kind of key is kept)
+            self.lanes.pop(tag, None)
 
 
 class Lanes(dict[int, Lane]):

@@ -168,7 +168,7 @@ class _Count:
         if self.mem.cells_total == 0:
             return True
         lanes = self.ex.lanes
-        gone = self.retired + [e.seq for e in victims] + [lanes[t].seq for t in unpublished]
+        gone = self.retired + [e.resident_seq() for e in victims] + [lanes[t].seq for t in unpublished]
         return self.free + (self.rt.cells_released(gone) if gone else 0) >= needed
 
     def room(self, needed: int, short: int) -> tuple[list[CacheEntry], list[int]] | None:

@@ -3,12 +3,15 @@ message names it, and never echoes more than a bounded piece of the input."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar, overload
 
 import numpy as np
 
 from superfluid.abi import ECHO_BYTES, OpStatus
 
+# An op: a decoded msgpack map, or an in-process caller's dict; field names its values' types.
+OpMessage = dict[str, object]
+_T = TypeVar("_T")
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
 MAX_ERROR_BYTES = 256  # a whole error message, whatever it quotes (run_op clips it)
@@ -28,7 +31,7 @@ def clip(text: str, limit: int) -> str:
     return b[:max(0, limit - 3)].decode("utf-8", "ignore") + "..."
 
 
-def echo(v: Any) -> str:
+def echo(v: object) -> str:
     """A quote of an input value, at most ECHO_BYTES: a container is named,
     never rendered (its repr alone could be megabytes)."""
     if isinstance(v, (list, tuple, dict, set)):
@@ -48,7 +51,11 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def field(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+@overload
+def field(msg: OpMessage, name: str, kind: type[_T]) -> _T: ...
+@overload
+def field(msg: OpMessage, name: str, kind: tuple[type, ...]) -> object: ...
+def field(msg: OpMessage, name: str, kind: type | tuple[type, ...]) -> object:
     if name not in msg:
         raise OpError(OpStatus.BadRequest, f"field {name!r} is missing")
     v = msg[name]
@@ -57,14 +64,14 @@ def field(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     return v
 
 
-def handle(msg: dict) -> int:
+def handle(msg: OpMessage) -> int:
     h = field(msg, "handle", int)
     if not 0 < h <= _U64:
         raise OpError(OpStatus.BadRequest, f"field 'handle': {echo(h)} is not a handle")
     return h
 
 
-def u64(msg: dict, name: str, default: int | None = None) -> int:
+def u64(msg: OpMessage, name: str, default: int | None = None) -> int:
     """An unsigned 64-bit field; default when absent (None: required)."""
     if name not in msg and default is not None:
         return default
@@ -74,11 +81,11 @@ def u64(msg: dict, name: str, default: int | None = None) -> int:
     return v
 
 
-def flag(msg: dict, name: str, default: bool = False) -> bool:
+def flag(msg: OpMessage, name: str, default: bool = False) -> bool:
     return field(msg, name, bool) if name in msg else default
 
 
-def u64_list(msg: dict, name: str) -> list[int]:
+def u64_list(msg: OpMessage, name: str) -> list[int]:
     """A list of distinct unsigned 64-bit integers."""
     v = field(msg, name, list)
     for i, t in enumerate(v):
@@ -87,12 +94,14 @@ def u64_list(msg: dict, name: str) -> list[int]:
                           f"field {name!r}: [{i}] = {echo(t)} is not an unsigned 64-bit integer")
     if len(set(v)) != len(v):
         seen: set[int] = set()
-        dup = next(t for t in v if t in seen or seen.add(t))
-        raise OpError(OpStatus.BadRequest, f"field {name!r}: {dup} appears twice")
+        for dup in v:
+            if dup in seen:
+                raise OpError(OpStatus.BadRequest, f"field {name!r}: {dup} appears twice")
+            seen.add(dup)
     return v
 
 
-def u32(msg: dict, name: str, default: int | None = None, lo: int = 0, hi: int = _U32) -> int:
+def u32(msg: OpMessage, name: str, default: int | None = None, lo: int = 0, hi: int = _U32) -> int:
     """An unsigned 32-bit field in lo..hi; default when absent (None: required)."""
     if name not in msg and default is not None:
         return default
@@ -102,7 +111,7 @@ def u32(msg: dict, name: str, default: int | None = None, lo: int = 0, hi: int =
     return v
 
 
-def tokens(msg: dict, name: str, vocab: int) -> list[int]:
+def tokens(msg: OpMessage, name: str, vocab: int) -> list[int]:
     """A non-empty list of token ids inside the vocabulary."""
     v = field(msg, name, list)
     if not v:

@@ -10,7 +10,8 @@ completion big."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import msgpack
 import numpy as np
@@ -22,6 +23,7 @@ from superfluid.executor import grammar as gr, host_sampling as hs, speculation 
 from superfluid.executor.op_fields import (
     MAX_ERROR_BYTES,
     OpError,
+    OpMessage,
     clip,
     echo,
     field as _field,
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _op_kind(v: Any) -> OpKind:
+def _op_kind(v: object) -> OpKind:
     if isinstance(v, str):
         try:
             return OpKind[v.upper()]
@@ -50,7 +52,7 @@ def _op_kind(v: Any) -> OpKind:
     raise OpError(OpStatus.BadRequest, f"field 'op': expected a name or a code, got {type(v).__name__}")
 
 
-def decode_op(payload: bytes) -> dict:
+def decode_op(payload: bytes) -> OpMessage:
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several types on garbage
@@ -60,16 +62,16 @@ def decode_op(payload: bytes) -> dict:
     return msg
 
 
-def run_op(ex: Executor, msg: dict | bytes) -> OpCompletion:
+def run_op(ex: Executor, msg: OpMessage | bytes) -> OpCompletion:
     """Apply one op to the executor; its completion (never raises for bad input)."""
     op_id, kind = 0, 0
     try:
         if not isinstance(msg, dict):
             msg = decode_op(msg)
-        op_id = msg.get("op_id", 0)
-        if not isinstance(op_id, int) or isinstance(op_id, bool) or not 0 <= op_id < 1 << 64:
-            op_id = 0
+        got = msg.get("op_id", 0)
+        if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got < 1 << 64:
             raise OpError(OpStatus.BadRequest, "field 'op_id': expected an unsigned 64-bit integer")
+        op_id = got
         kind = _op_kind(msg.get("op"))
         handle, value, payload = _OPS[kind](ex, msg)
         return OpCompletion(op_id=op_id, status=int(OpStatus.OK), op=int(kind), handle=handle, value=value,
@@ -79,7 +81,7 @@ def run_op(ex: Executor, msg: dict | bytes) -> OpCompletion:
                             payload=msgpack.packb({"error": clip(str(e), MAX_ERROR_BYTES)}))
 
 
-def _describe(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _describe(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     d = ex.desc
     voc = ex.runtime.vocabulary()
     body = {
@@ -98,13 +100,14 @@ def _describe(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return 0, d.vocab_size, msgpack.packb(body)
 
 
-def _register_bias(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _register_bias(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     raw = _field(msg, "bias", (dict, list))
-    items = raw.items() if isinstance(raw, dict) else raw
-    ids, vals = [], []
+    items = raw.items() if isinstance(raw, dict) else cast("list[object]", raw)  # field checked: dict or list
+    ids: list[int] = []
+    vals: list[float] = []
     for item in items:
         try:
-            tid, val = item
+            tid, val = cast("Iterable[object]", item)  # whatever it is: this line raises on a non-pair
         except (TypeError, ValueError):
             raise OpError(OpStatus.BadRequest, "field 'bias': entries are [token, value] pairs") from None
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < ex.desc.vocab_size:
@@ -125,14 +128,14 @@ def _register_bias(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return h, len(ids), b""
 
 
-def _release_bias(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _release_bias(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     h = _handle(msg)
     if ex.registry.biases.pop(h, None) is None:
         raise OpError(OpStatus.UnknownHandle, f"no logit bias {h}")
     return h, 0, b""
 
 
-def _register_grammar(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _register_grammar(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     reg = ex.registry.grammars
     if not reg.supported:  # before the fields: no grammar of any kind can work here
         raise OpError(OpStatus.Unsupported, "grammars need a tokenizer: this runtime has none "
@@ -154,14 +157,14 @@ def _register_grammar(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return h, g.compile_us, b""
 
 
-def _release_grammar(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _release_grammar(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     h = _handle(msg)
     if not ex.registry.grammars.release(h):
         raise OpError(OpStatus.UnknownHandle, f"no grammar {h}")
     return h, 0, b""
 
 
-def _install_strategy(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _install_strategy(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     """Fill (or replace) a strategy slot; value = its new cert_id. Lanes admitted
     earlier keep the strategy they got."""
     why = spec.unsupported_because(ex.runtime)
@@ -178,7 +181,7 @@ def _install_strategy(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return 0, st.cert_id, b""
 
 
-def _inject_fault(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _inject_fault(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     if not ex.fault_injection:
         raise OpError(OpStatus.Refused, "fault injection is off (start the worker with --fault-injection)")
     tag = _field(msg, "lane_tag", int)
@@ -191,14 +194,14 @@ def _inject_fault(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return 0, tag, b""
 
 
-def _cache_clear(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def _cache_clear(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     freed = 0
     for e in ex.cache.lru(resident=False):  # the host tier: nothing of the pool
         ex.cache.remove(e)
     for e in ex.cache.lru():
         ex.cache.remove(e)
         try:
-            ex.runtime.seq_free(e.seq)
+            ex.runtime.seq_free(e.resident_seq())
         except FatalError as err:
             # The worker's fatal path; in-process the executor refuses ticks from now on.
             raise OpError(OpStatus.Refused, str(ex.fatal("CACHE_CLEAR", err))) from err

@@ -4,12 +4,8 @@ prompt, not emitted, and counted against the grant."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from superfluid.engine.runtime import Feed
-
-if TYPE_CHECKING:
-    from superfluid.executor.executor import Executor
+from superfluid.executor.tick_state import TickState
 
 
 def _held_token(token: int | None) -> int:
@@ -17,10 +13,8 @@ def _held_token(token: int | None) -> int:
     return token
 
 
-class ReplayPhase:
+class ReplayPhase(TickState):
     """The replay part of a Tick's decode (DecodePhase calls it; tick.py holds the rest)."""
-
-    ex: Executor  # (set by Tick)
 
     def _replay(self, replaying: list[int], remaining: dict[int, int]) -> None:
         """decode_replay: the prompt's tail, one token a round, as decode fed

@@ -8,11 +8,16 @@ either way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 
 from superfluid.abi import RingId, ffi, lib
 from superfluid.abi.records import RingRef
 from superfluid.rings.data import DataRing
+
+if TYPE_CHECKING:
+    from superfluid.rings.segment import Segment
 
 
 class TickRings:
@@ -27,7 +32,7 @@ class TickRings:
         is not good or names another ring."""
         return self.prompt.read(ref)
 
-    def write_tokens(self, tokens) -> RingRef:
+    def write_tokens(self, tokens: np.ndarray) -> RingRef:
         return self.tokens.write(tokens)
 
     def write_logits(self, row: np.ndarray) -> RingRef:
@@ -41,7 +46,7 @@ class TickRings:
 
 
 class _Memory:
-    """Owner of private ring memory (what DataRing asks of a segment)."""
+    """Owner of private ring memory (what DataRing asks of a segment: `closed`)."""
 
     closed = False
 
@@ -53,7 +58,7 @@ class _Memory:
 def _local_ring(ring_id: RingId, capacity: int) -> DataRing:
     mem = _Memory(lib.sf_ring_bytes(capacity))
     lib.sf_ring_init(mem.base, int(ring_id), capacity)
-    return DataRing(mem, mem.base, len(mem.buf))  # the ring holds mem: its memory lives as long
+    return DataRing(cast("Segment", mem), mem.base, len(mem.buf))  # the ring holds mem: its memory lives as long
 
 
 class LocalRings(TickRings):

@@ -12,7 +12,7 @@ import msgpack
 
 from superfluid.abi import Determinism, OpStatus
 from superfluid.engine.runtime import CapacityError, FatalError, RuntimeFailure, Unsupported
-from superfluid.executor.op_fields import OpError, echo, handle, tokens, u32
+from superfluid.executor.op_fields import OpError, OpMessage, echo, handle, tokens, u32
 from superfluid.executor.seeds import EnvelopeError, SeedLease, find_prefix, unwrap, wrap
 from superfluid.executor.state_dir import StateDir
 
@@ -25,7 +25,7 @@ _MSGPACK_SLACK = 64
 MAX_BLOB_FILE = 1 << 36
 
 
-def _ttl(msg: dict) -> int:
+def _ttl(msg: OpMessage) -> int:
     return u32(msg, "ttl_ticks", lo=1)
 
 
@@ -36,14 +36,14 @@ def _room(ex: Executor) -> None:
                                          f"or let them expire")
 
 
-def _class(msg: dict) -> int:
+def _class(msg: OpMessage) -> int:
     det = u32(msg, "determinism_class", int(Determinism.SEED_PATH_INVARIANT))
     if det not in {int(d) for d in Determinism}:
         raise OpError(OpStatus.BadRequest, f"field 'determinism_class': {det} is not a determinism class")
     return det
 
 
-def lease_seed(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def lease_seed(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     toks = tokens(msg, "tokens", ex.desc.vocab_size)
     ttl = _ttl(msg)
     det = _class(msg)
@@ -58,7 +58,7 @@ def lease_seed(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return lease.handle, n, b""
 
 
-def release_seed(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def release_seed(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     h = handle(msg)
     lease = ex.leases.get(h)
     if lease is None:
@@ -67,7 +67,7 @@ def release_seed(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     return h, 0, b""
 
 
-def export_entry(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def export_entry(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     h = handle(msg)
     path = msg.get("path")
     overwrite = msg.get("overwrite", False)
@@ -83,7 +83,7 @@ def export_entry(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
     # not got); the importer names the tokens it wants, a prefix of these.
     e = lease.entry
     try:
-        inner = e.blob if not e.resident else ex.runtime.seq_export(e.seq)
+        inner = e.exported_blob() if not e.resident else ex.runtime.seq_export(e.resident_seq())
     except FatalError as err:
         raise OpError(OpStatus.Refused, str(ex.fatal("EXPORT_ENTRY", err))) from err
     except Unsupported as err:
@@ -115,7 +115,7 @@ def _import_cap(ex: Executor) -> int:
     return min(MAX_BLOB_FILE, envelope + ex.runtime.export_bytes_max())
 
 
-def _read_blob(ex: Executor, msg: dict) -> bytes:
+def _read_blob(ex: Executor, msg: OpMessage) -> bytes:
     if "blob" in msg:
         b = msg["blob"]
         if not isinstance(b, (bytes, bytearray)):
@@ -126,7 +126,7 @@ def _read_blob(ex: Executor, msg: dict) -> bytes:
     return _state_dir(ex).read(msg["path"], _import_cap(ex))
 
 
-def import_state(ex: Executor, msg: dict) -> tuple[int, int, bytes]:
+def import_state(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     toks = tokens(msg, "tokens", ex.desc.vocab_size)
     ttl = _ttl(msg)
     det = _class(msg)

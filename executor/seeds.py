@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from superfluid.executor.cache import CacheEntry, PrefixCache, best_of
 
@@ -121,7 +121,7 @@ class LeaseTable:
         return gone
 
 
-def find_prefix(cache: PrefixCache, tokens, exact_only: bool) -> tuple[CacheEntry, int] | None:
+def find_prefix(cache: PrefixCache, tokens: Sequence[int], exact_only: bool) -> tuple[CacheEntry, int] | None:
     """The entry with the longest usable prefix of tokens and its length:
     whole pages, or an exact_only entry's whole key; None when nothing shares one."""
     if exact_only:
@@ -147,7 +147,7 @@ class EnvelopeError(ValueError):
     pass
 
 
-def wrap(runtime_id: str, tokens, inner: bytes) -> bytes:
+def wrap(runtime_id: str, tokens: Sequence[int], inner: bytes) -> bytes:
     rid = runtime_id.encode()
     toks = struct.pack(f"<{len(tokens)}I", *tokens)
     return _ENVELOPE_HEAD.pack(_ENVELOPE_MAGIC, 1, len(rid), len(tokens)) + rid + toks + _INNER_LEN.pack(

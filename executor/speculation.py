@@ -21,9 +21,14 @@ acceptance are decode's (speculation_decode.py); the keep/stop gate is speculati
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from superfluid.abi import Sampling
+
+if TYPE_CHECKING:
+    from superfluid.engine.runtime import Runtime
+    from superfluid.executor.speculation_gate import GateWindow
 
 KINDS = ("prompt_lookup",)
 MAX_SLOTS = 8  # slots 1..MAX_SLOTS (the metrics block keeps one row of figures per slot)
@@ -31,6 +36,15 @@ MAX_DRAFT = 64  # tokens a draft may propose: max_draft is 1..MAX_DRAFT
 MAX_NGRAM = 8  # ngram_min..ngram_max within 1..MAX_NGRAM: the index holds that many n-grams a token
 
 _HOST = int(Sampling.HOST)
+
+
+class StrategyDescription(TypedDict):
+    slot: int
+    cert_id: int
+    kind: str
+    max_draft: int
+    ngram_min: int
+    ngram_max: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,10 +59,10 @@ class Strategy:
     ngram_max: int
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of which the lane took
-    gate: dict = dataclasses.field(default_factory=dict)  # lanes bucket -> spec_gate.GateWindow
+    gate: dict[int, GateWindow] = dataclasses.field(default_factory=dict)  # by lanes bucket
 
-    def describe(self) -> dict:
-        return dict(slot=self.slot, cert_id=self.cert_id, kind=self.kind, max_draft=self.max_draft,
+    def describe(self) -> StrategyDescription:
+        return StrategyDescription(slot=self.slot, cert_id=self.cert_id, kind=self.kind, max_draft=self.max_draft,
                     ngram_min=self.ngram_min, ngram_max=self.ngram_max)
 
 
@@ -71,11 +85,11 @@ class StrategyTable:
     def __contains__(self, slot: int) -> bool:
         return slot in self.slots
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Strategy]:
         return iter(sorted(self.slots.values(), key=lambda s: s.slot))
 
 
-def unsupported_because(runtime) -> str | None:
+def unsupported_because(runtime: Runtime) -> str | None:
     """Why this runtime cannot verify drafts, or None when it can: a draft is
     checked with one step_rows feed and cut back with seq_truncate to any length."""
     if not runtime.desc.truncate_partial:
@@ -85,7 +99,7 @@ def unsupported_because(runtime) -> str | None:
     return None
 
 
-def drafts(sampling: int, grammar_handle: int, bias, want_logprobs: int) -> bool:
+def drafts(sampling: int, grammar_handle: int, bias: object, want_logprobs: int) -> bool:
     """Whether an admit naming a strategy drafts (see the module docstring)."""
     return sampling != _HOST and not grammar_handle and bias is None and not want_logprobs
 

@@ -30,21 +30,18 @@ import numpy as np
 
 from superfluid.abi import Finish, Sampling
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
-from superfluid.executor.decode import lane_fault_code
+from superfluid.executor.decode import lane_fault
+from superfluid.executor.tick_state import TickState
 
 if TYPE_CHECKING:
-    from superfluid.engine.runtime import Runtime
     from superfluid.executor.decode import DecodeRound
-    from superfluid.executor.executor import Executor
+    from superfluid.executor.lanes import Lane
 
 _HOST = int(Sampling.HOST)
 
 
-class SpecPhase:
+class SpecPhase(TickState):
     """The drafting part of a Tick's decode (DecodePhase calls it; tick.py holds the rest)."""
-
-    ex: Executor  # (set by Tick)
-    rt: Runtime
 
     # ------------------------------------------------------- per tick
 
@@ -109,15 +106,16 @@ class SpecPhase:
         out: dict[int, list[int]] = {}
         for tag in todo:
             lane = ex.lanes[tag]
+            drafter = lane.drafter()
             held = len(lane.committed) - 1  # cells before this round's feed (its token is the pending one)
-            k = min(lane.spec.depth, remaining[tag] + over[tag] - 1, max_len - held - 2)
+            k = min(drafter.depth, remaining[tag] + over[tag] - 1, max_len - held - 2)
             if spare is not None:
                 # Past the cells promised to it, a lane's feed may take only spare pages.
                 own = -(-max(self.cells_after.get(tag, 0), held) // page)
                 k = min(k, (own + spare) * page - held - 1)
             if k <= 0:
                 continue
-            d = lane.spec.propose(lane.committed, k)
+            d = drafter.propose(lane.committed, k)
             if not d:
                 continue
             if spare is not None:
@@ -162,11 +160,12 @@ class SpecPhase:
             else:
                 self.rows[tag] = rows[-1]
 
-    def _verify_pick(self, lane, row: np.ndarray) -> int:
+    def _verify_pick(self, lane: Lane, row: np.ndarray) -> int:
         """A verified row's token: the plain round's pick (tests replace this to show it matters)."""
         return self._host_pick(lane, row)
 
-    def _take_verified(self, lane, rows: np.ndarray, draft: list[int], remaining: dict[int, int], eos,
+    def _take_verified(self, lane: Lane, rows: np.ndarray, draft: list[int], remaining: dict[int, int],
+                       eos: frozenset[int],
                        max_len: int) -> int | None:
         """Pick a verified feed's rows, take what matches, cut the sequence
         back; the token the lane feeds next round, or None when it is done."""
@@ -191,7 +190,9 @@ class SpecPhase:
             lane.committed.append(token)
             lane.rng_counter += 1
             if self.partial:
-                ex.partial_sink(self.plan.plan_seq, tag, token, len(out))
+                sink = ex.partial_sink
+                assert sink is not None  # self.partial says there is one
+                sink(self.plan.plan_seq, tag, token, len(out))
             out.append(token)
             taken += 1
             if token in eos and not lane.ignore_eos:
@@ -206,7 +207,7 @@ class SpecPhase:
         stats = self.spec_stats[tag]
         stats[0] += len(draft)
         stats[1] += accepted
-        lane.spec.verified(len(draft), accepted)
+        lane.drafter().verified(len(draft), accepted)
         # Keep the pending token's cell and the taken drafts; the last taken token is pending.
         keep = start - 1 + max(taken, 1)
         if keep < start + len(draft):
@@ -215,7 +216,7 @@ class SpecPhase:
             except FatalError as e:
                 raise ex.fatal("cutting a draft back", e) from e
             except RuntimeFailure as e:
-                self.fault(tag, lane_fault_code(e))
+                self.fault(tag, lane_fault(e))
                 remaining.pop(tag, None)
                 return None
         lane.pending_input = token if taken else None

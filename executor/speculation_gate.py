@@ -26,6 +26,12 @@ always drafts, False never (a benchmark's or a test's switch).
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING, TypedDict
+
+from superfluid.executor.speculation import StrategyDescription
+
+if TYPE_CHECKING:
+    from superfluid.executor.speculation import Strategy, StrategyTable
 
 WINDOW = 16
 MARGIN = 0.9
@@ -33,6 +39,32 @@ MIN_SAMPLES = 3
 REFRESH_EVERY = 32
 PROBE_AFTER = 256  # a probe drafts MIN_SAMPLES ticks: where drafting costs 2x, ~1% of the time
 MAX_BUCKET = 128  # decoding lanes past this share its figures
+
+
+class GateFigures(TypedDict):
+    state: str  # "explore", "on", "off"
+    draft_s_per_token: float | None
+    plain_s_per_token: float | None
+    draft_samples: int
+    plain_samples: int
+    decisions: int
+    probes: int
+
+
+class BucketFigures(GateFigures):
+    lanes: int
+
+
+class StrategyFigures(StrategyDescription):
+    proposed: int
+    accepted: int
+    acceptance: float | None  # accepted / proposed; None before any draft
+    buckets: list[BucketFigures]
+
+
+class GateSnapshot(TypedDict):
+    force: bool | None
+    strategies: list[StrategyFigures]
 
 
 def bucket(lanes: int) -> int:
@@ -54,7 +86,7 @@ class GateWindow:
         self.probes = 0  # times drafting was explored again after it stopped
 
     @staticmethod
-    def per_token(samples: deque) -> float | None:
+    def per_token(samples: deque[tuple[float, int]]) -> float | None:
         tokens = sum(n for _, n in samples)
         return sum(s for s, _ in samples) / tokens if tokens else None
 
@@ -62,7 +94,9 @@ class GateWindow:
         """Leave explore once both figures stand; on or off by them."""
         if len(self.draft) < MIN_SAMPLES or len(self.plain) < MIN_SAMPLES:
             return
-        state = "on" if self.per_token(self.draft) <= MARGIN * self.per_token(self.plain) else "off"
+        draft, plain = self.per_token(self.draft), self.per_token(self.plain)
+        assert draft is not None and plain is not None  # MIN_SAMPLES records, each of tokens > 0
+        state = "on" if draft <= MARGIN * plain else "off"
         if state != self.state:
             self.state, self.since = state, 0
 
@@ -84,8 +118,8 @@ class GateWindow:
         (self.draft if drafted else self.plain).append((seconds, tokens))
         self._settle()
 
-    def figures(self) -> dict:
-        return dict(state=self.state, draft_s_per_token=self.per_token(self.draft),
+    def figures(self) -> GateFigures:
+        return GateFigures(state=self.state, draft_s_per_token=self.per_token(self.draft),
                     plain_s_per_token=self.per_token(self.plain), draft_samples=len(self.draft),
                     plain_samples=len(self.plain), decisions=self.decisions, probes=self.probes)
 
@@ -94,33 +128,33 @@ class SpecGate:
     """The gate over an executor's strategies (spec.StrategyTable): the
     windows live on each Strategy, so a replaced strategy's lanes keep theirs."""
 
-    def __init__(self, strategies) -> None:
+    def __init__(self, strategies: StrategyTable) -> None:
         self.strategies = strategies
         self.force: bool | None = None
         self.changes = 0  # bumped by every decision and record: a reader's cue that figures moved
 
-    def _window(self, strategy, lanes: int) -> GateWindow:
+    def _window(self, strategy: Strategy, lanes: int) -> GateWindow:
         b = bucket(lanes)
         w = strategy.gate.get(b)
         if w is None:
             w = strategy.gate[b] = GateWindow()
         return w
 
-    def decide(self, strategy, lanes: int) -> bool:
+    def decide(self, strategy: Strategy, lanes: int) -> bool:
         """Whether `strategy`'s lanes draft in a tick that decodes `lanes` lanes."""
         self.changes += 1
         w = self._window(strategy, lanes)
         drafting = w.decide()
         return drafting if self.force is None else self.force
 
-    def record(self, strategy, lanes: int, drafted: bool, seconds: float, tokens: int) -> None:
+    def record(self, strategy: Strategy, lanes: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A tick's decode: `seconds` for `tokens` emitted by decode rounds."""
         if tokens <= 0:
             return
         self.changes += 1
         self._window(strategy, lanes).record(drafted, seconds, tokens)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> GateSnapshot:
         """Plain data: every installed strategy, its totals and its gate by bucket
         (a replaced strategy is not listed; its lanes go on under its own figures).
 
@@ -129,11 +163,10 @@ class SpecGate:
         proposed, None before any draft), buckets: [{lanes, state ("explore",
         "on", "off"), draft_s_per_token, plain_s_per_token (None before a
         sample), draft_samples, plain_samples, decisions, probes}]}]}"""
-        out = []
+        out: list[StrategyFigures] = []
         for st in self.strategies:
-            d = st.describe()
-            d.update(proposed=st.proposed, accepted=st.accepted,
-                     acceptance=st.accepted / st.proposed if st.proposed else None,
-                     buckets=[dict(lanes=b, **w.figures()) for b, w in sorted(st.gate.items())])
-            out.append(d)
-        return {"force": self.force, "strategies": out}
+            out.append(StrategyFigures(**st.describe(), proposed=st.proposed, accepted=st.accepted,
+                                       acceptance=st.accepted / st.proposed if st.proposed else None,
+                                       buckets=[BucketFigures(lanes=b, **w.figures())
+                                                for b, w in sorted(st.gate.items())]))
+        return GateSnapshot(force=self.force, strategies=out)

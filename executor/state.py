@@ -5,11 +5,11 @@ counts, and what ops leave for the next tick's events."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import Runtime
 from superfluid.executor.grammar import GrammarRegistry
+from superfluid.executor.host_sampling import Bias
 from superfluid.executor.speculation import StrategyTable
 from superfluid.executor.speculation_gate import SpecGate
 
@@ -19,7 +19,7 @@ class Registry:
     (strategies), with what the decode loop works out once from them."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self.biases: dict[int, Any] = {}  # handle -> host_sampling.LogitBias
+        self.biases: dict[int, Bias] = {}  # by handle
         self.grammars = GrammarRegistry.for_runtime(runtime)  # handles, and the lane borrowing each
         self.strategies = StrategyTable()  # op INSTALL_STRATEGY's slots (speculation.py)
         self.spec_gate = SpecGate(self.strategies)  # whether drafting pays; .snapshot() for metrics and benches

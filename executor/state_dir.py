@@ -47,7 +47,7 @@ class StateDir:
     The directory is opened per op: one removed meanwhile makes the op a
     BadRequest, not a failure of the worker."""
 
-    def __init__(self, root: str | os.PathLike, max_bytes: int | None = None):
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int | None = None):
         self.given = os.path.abspath(root)  # as configured (its parents may be symlinks)
         self.root = os.path.realpath(root)
         self.max_bytes = max_bytes
@@ -135,7 +135,8 @@ class StateDir:
             what = _kind(os.fstat(fd).st_mode)
             if what:
                 raise _bad(path, f"is {what}, not a regular file")
-            chunks, size = [], 0
+            chunks: list[bytes] = []
+            size = 0
             while True:
                 chunk = os.read(fd, min(_CHUNK, cap + 1 - size))
                 if not chunk:

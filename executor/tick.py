@@ -25,6 +25,7 @@ from superfluid.executor.decode import DecodePhase, lane_fault_code
 from superfluid.executor.lanes import Lane
 from superfluid.executor.replay import ReplayPhase
 from superfluid.executor.speculation_decode import SpecPhase
+from superfluid.executor.tick_state import TickState
 
 if TYPE_CHECKING:
     from superfluid.executor.executor import Executor
@@ -38,7 +39,7 @@ LATENCY_STEP_UNIT = 128
 _PARTIAL_EMITS = int(PlanFlag.PARTIAL_EMITS)  # `int & IntFlag` builds a flag object: compare plain ints
 
 
-class RetirePhase:
+class RetirePhase(TickState):
     """Retires and the cache's upkeep: a plan's retire phase and op
     RETIRE_LANES (between ticks) run this one code. Evictions become entries
     of `shed`; `now` is the tick that a publish stamps (an op's: the next)."""
@@ -70,7 +71,7 @@ class RetirePhase:
     def evict(self, e: CacheEntry, reason: int) -> None:
         """The entry leaves the pool: to host memory where it can go, else gone."""
         ex = self.ex
-        seq = e.seq
+        seq = e.resident_seq()
         if not ex.to_host(e):
             ex.cache.remove(e)
         self.free(seq, "evicting a cache entry")
@@ -121,10 +122,10 @@ class RetirePhase:
         if key_len < 1:
             return False
         key = tuple(lane.committed[:key_len])
-        cover = [e for e in ex.cache.containing(key) if e.resident and (len(e.tokens) == key_len or not ex.exact_only)]
+        cover = [c for c in ex.cache.containing(key) if c.resident and (len(c.tokens) == key_len or not ex.exact_only)]
         if cover:
-            for e in cover:
-                e.last_used = self.now  # the same cells are cached already
+            for c in cover:
+                c.last_used = self.now  # the same cells are cached already
             return False
         if key_len < self.rt.seq_len(lane.seq):
             try:
@@ -134,10 +135,10 @@ class RetirePhase:
         if not ex.exact_only:
             # An entry the new one extends serves no lease the new one cannot: merge it
             # (on a runtime that shares cells, the two hold the same blocks anyway).
-            for e in ex.cache.page_prefixes(key):
-                if e.resident and e.pins == 0 and not e.bare:
-                    ex.cache.remove(e)
-                    self.free(e.seq, "merging a cache entry")
+            for old in ex.cache.page_prefixes(key):
+                if old.resident and old.pins == 0 and not old.bare:
+                    ex.cache.remove(old)
+                    self.free(old.resident_seq(), "merging a cache entry")
         ex.cache.insert(lane.seq, key, len(lane.prompt), ex.entry_bytes(key_len), self.now)
         return True
 
@@ -182,25 +183,25 @@ class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, RetirePhase):
         RetirePhase.__init__(self, ex, pending or [], ex.counters.tick_count)
         self.plan = plan
         self.verdict = v
-        self.admit_results: list = []
-        self.faults: list = []
-        self.faulted_now: set[int] = set()
+        self.admit_results = []
+        self.faults = []
+        self.faulted_now = set()
         self.chunks_dropped = 0
         if pending:
             self.evictions = len(pending)
             self.bytes_evicted = sum(e.bytes for e in pending)
-        self.logprobs: list = []
-        self.rows: dict[int, np.ndarray] = {}
-        self.out_tokens: dict[int, list[int]] = {d.lane_tag: [] for d in plan.decodes} if plan.decodes else {}
-        self.finishes: dict[int, int] = {}
+        self.logprobs = []
+        self.rows = {}
+        self.out_tokens = {d.lane_tag: [] for d in plan.decodes} if plan.decodes else {}
+        self.finishes = {}
         self.partial = bool(plan.flags & _PARTIAL_EMITS) and ex.partial_sink is not None
         self.yielded = False
         self.cells_after = v.cells_after  # the check's bound on each lane's cells at the end
         # Drafting (speculation_decode.py), filled only where a lane of an installed strategy decodes.
-        self.spec_over: dict[int, int] = {}  # drafting lanes: overshoot left
-        self.spec_stats: dict[int, list[int]] = {}  # lanes of a strategy: [proposed, accepted, cert in effect]
-        self.spec_rows: dict[int, tuple] = {}  # a round's verified feeds: tag -> (rows, draft)
-        self.spec_decisions: dict = {}  # Strategy -> whether its lanes draft this tick
+        self.spec_over = {}  # drafting lanes: overshoot left
+        self.spec_stats = {}  # lanes of a strategy: [proposed, accepted, cert in effect]
+        self.spec_rows = {}  # a round's verified feeds: tag -> (rows, draft)
+        self.spec_decisions = {}  # Strategy -> whether its lanes draft this tick
         self.spec_lanes = 0  # non-HOST lanes decoding (the gate's bucket)
         self.spec_free_rows = 0
 
@@ -297,7 +298,9 @@ class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, RetirePhase):
                 self.yielded = True
                 break
             stepped = True
-            feeds, tags, wants = [], [], []
+            feeds: list[Feed] = []
+            tags: list[int] = []
+            wants: list[bool] = []
             left = cap
             for w in work:
                 tag, nxt, end = w
