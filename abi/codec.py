@@ -22,12 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from superfluid.abi import ABI_VERSION, ffi
+
+# CODECS, CodecError, EncodeError and align are part of this module's API (explicit re-exports).
 from superfluid.abi.packers import (
-    CODECS,
-    CodecError,
-    EncodeError,
+    CODECS as CODECS,
+    CodecError as CodecError,
+    EncodeError as EncodeError,
     RecordCodec,
-    align,
+    align as align,
     bounds_error,
     diagnose,
     native_decode,

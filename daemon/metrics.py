@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status
-from superfluid.executor.speculation import MAX_SLOTS as _SPEC_SLOTS
-from superfluid.executor.speculation_gate import MAX_BUCKET as _SPEC_MAX_BUCKET
+from superfluid.executor import SPEC_MAX_BUCKET as _SPEC_MAX_BUCKET, SPEC_SLOTS as _SPEC_SLOTS
 
 PREFIX = "superfluid_worker_"
 DAEMON_LABEL = "daemon"  # the daemon's --name

@@ -1,9 +1,9 @@
-"""A worker's segment as the rings and planner flags a tick sees (executor/rings.py's TickRings)."""
+"""A worker's segment as the rings and planner flags a tick sees (executor/tick_rings.py's TickRings)."""
 
 from __future__ import annotations
 
 from superfluid.abi import ffi, lib
-from superfluid.executor.rings import TickRings
+from superfluid.executor import TickRings
 
 
 class SegmentRings(TickRings):

@@ -171,7 +171,7 @@ def state_dir_limit(args: argparse.Namespace) -> int | None:
     os.makedirs(args.state_dir, mode=0o700, exist_ok=True)
     if args.state_dir_bytes:
         return args.state_dir_bytes
-    from superfluid.executor.state_dir import StateDir
+    from superfluid.executor import StateDir
 
     st = os.statvfs(args.state_dir)
     return (StateDir(args.state_dir).held_bytes() + st.f_bavail * st.f_frsize) // 2

@@ -30,7 +30,7 @@ from superfluid.abi.plan_codec import PlanReject, decode_plan, empty_plan, plan_
 from superfluid.abi.records import OpCompletion, QueueReset, TickEvents
 from superfluid.daemon.control import ASKED, Control
 from superfluid.daemon.outbox import Outbox, completion_bytes
-from superfluid.executor.executor import Executor
+from superfluid.executor import Executor
 from superfluid.rings.naming import parse_segment_path
 from superfluid.rings.queue import SpinBudget
 from superfluid.rings.repair import repair_geometry, repair_identity
@@ -256,10 +256,9 @@ class Worker:
         if session != self.session:
             self._flush_ops()  # the last session's completions are its own
             self.session = session
-            self.ex.lanes.session = session
+            self.ex.begin_session(session)
             self.seg.counters.session_id = session  # at once: sf_session_begin counts past it
             self.seg.counters.last_plan_seq = 0  # the header: 0 before the new session's first plan
-            self.ex.counters.last_plan_seq = None  # plan_seq starts afresh: no session waits on another's
         return True
 
     def _stale(self, what: str, session: int) -> str:
@@ -322,8 +321,7 @@ class Worker:
             except PlanReject as r:
                 seq = plan_seq_of(slot)
                 _release(self._plan_view)
-                self.ex.counters.rejects += 1
-                ev = self.ex._refused(seq, r.status, r.field, r.message).events
+                ev = self.ex.reject(seq, r).events
             else:
                 _release(self._plan_view)  # decoded: the planner may queue the next plan now
                 ev = self.ex.tick(plan, decoded=True).events

@@ -1,6 +1,13 @@
-"""The executor: lanes, the tick, the prefix cache, host sampling, ops."""
+"""The executor: lanes, the tick, the prefix cache, host sampling, ops.
+
+What a worker (daemon/) uses is exported here; the modules below are the
+executor's own."""
 
 from superfluid.executor.executor import Executor, ExecutorFatal, TickResult
-from superfluid.executor.rings import LocalRings, TickRings
+from superfluid.executor.speculation import MAX_SLOTS as SPEC_SLOTS
+from superfluid.executor.speculation_gate import MAX_BUCKET as SPEC_MAX_BUCKET
+from superfluid.executor.state_dir import StateDir
+from superfluid.executor.tick_rings import LocalRings, TickRings
 
-__all__ = ["Executor", "ExecutorFatal", "LocalRings", "TickResult", "TickRings"]
+__all__ = ["SPEC_MAX_BUCKET", "SPEC_SLOTS", "Executor", "ExecutorFatal", "LocalRings", "StateDir", "TickResult",
+           "TickRings"]

@@ -25,11 +25,11 @@ from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check, empty_events_fit
 from superfluid.executor.lanes import Lanes
 from superfluid.executor.op_fields import OpMessage
-from superfluid.executor.rings import LocalRings, TickRings
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
 from superfluid.executor.state import Counters, Pending, Registry
 from superfluid.executor.state_dir import StateDir
 from superfluid.executor.tick import Tick
+from superfluid.executor.tick_rings import LocalRings, TickRings
 
 EXIT_FATAL = 70
 _OK, _TICK_OK = int(Status.OK), int(TickStatus.OK)
@@ -197,8 +197,7 @@ class Executor:
                     return TickResult(Status.OK, events)
             verdict = self.check(record)
         except PlanReject as r:
-            self.counters.rejects += 1
-            return self._refused(seq, r.status, r.field, r.message)
+            return self.reject(seq, r)
         try:
             events = self.apply(verdict, t0)
         except ExecutorFatal as e:
@@ -269,6 +268,18 @@ class Executor:
             self.pending.completions = []
         return TickEvents(0, plan.plan_seq, _OK, _TICK_OK, (), (), (), _NO_SHED, tuple(comps), (), b"",
                           TickTimings(self.clock() - t0, 0, 0, 0, 0), mem, self.epoch)
+
+    def reject(self, plan_seq: int, r: PlanReject) -> TickResult:
+        """A plan refused by a check (counted as a reject), also one the worker
+        could not decode before calling tick."""
+        self.counters.rejects += 1
+        return self._refused(plan_seq, r.status, r.field, r.message)
+
+    def begin_session(self, session: int) -> None:
+        """A new planner session is served: lanes admitted now record it, and
+        its plan_seq starts afresh (no session waits on another's)."""
+        self.lanes.session = session
+        self.counters.last_plan_seq = None
 
     def _refused(self, plan_seq: int, status: Status, field: str, message: str) -> TickResult:
         detail = f"{field}: {message}"

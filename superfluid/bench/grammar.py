@@ -255,7 +255,7 @@ def _valid(model: Path, n: int, max_new: int, seed: int) -> dict[str, Any]:
     from superfluid.client.planner import Planner
     from superfluid.engine import load
     from superfluid.executor import Executor
-    from superfluid.executor.rings import LocalRings
+    from superfluid.executor.tick_rings import LocalRings
 
     rt = load(model, "torch", device="cpu", kv_cells=max(1 << 14, 2 * n * (PROMPT + max_new + 32)),
               max_batch=max(1, n))

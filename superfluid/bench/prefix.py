@@ -62,7 +62,7 @@ def _executor(model: str, cells: int, max_batch: int, slots: int = 0):
     from superfluid.client.local import LocalClient
     from superfluid.engine import load
     from superfluid.executor import Executor
-    from superfluid.executor.rings import LocalRings
+    from superfluid.executor.tick_rings import LocalRings
 
     rt = load(model, "torch", kv_cells=cells, max_batch=max_batch, **({"max_seqs": slots} if slots else {}))
     rings = LocalRings(prompt_tokens=1 << 20, emit_tokens=1 << 18, logits_floats=1 << 16)

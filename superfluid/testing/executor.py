@@ -13,7 +13,7 @@ from superfluid.abi.records import RingRef
 from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine.fake import FakeRuntime
 from superfluid.executor.executor import Executor, TickResult
-from superfluid.executor.rings import LocalRings
+from superfluid.executor.tick_rings import LocalRings
 from superfluid.rings.layout import SegmentConfig
 
 GREEDY, SAMPLE, HOST = int(Sampling.GPU_GREEDY), int(Sampling.GPU_SAMPLE), int(Sampling.HOST)

@@ -13,7 +13,7 @@ import numpy as np
 from superfluid.abi import Finish, OpStatus, PlanFlag
 from superfluid.client.builder import PlanBuilder, sampling_params
 from superfluid.engine.fake import FakeRuntime
-from superfluid.executor.rings import LocalRings
+from superfluid.executor.tick_rings import LocalRings
 from superfluid.testing.executor import BIG_BUDGET, GREEDY, emit_of, emitted, put
 from superfluid.testing.invariants import check_invariants
 

@@ -20,7 +20,7 @@ from superfluid.abi import (
 )
 from superfluid.abi.records import RingRef
 from superfluid.client.builder import PlanBuilder
-from superfluid.executor.rings import LocalRings
+from superfluid.executor.tick_rings import LocalRings
 from superfluid.testing.executor import BIG_BUDGET, admit_and_prefill, emit_of, fake, make_executor, put
 from superfluid.testing.invariants import assert_reject, check_invariants, snapshot
 
