@@ -37,6 +37,10 @@ from superfluid.abi.packers import (
 )
 from superfluid.abi.records import TOP_LEVEL
 
+# A slot message as read (a slot is a memoryview; bytes from elsewhere), and one to write into.
+Message = bytes | bytearray | memoryview
+WritableMessage = bytearray | memoryview
+
 _HDR = struct.Struct("<IIQQ")
 _HDR3 = struct.Struct("<IIQ")  # the header less its session
 _SESSION = struct.Struct("<Q")
@@ -54,7 +58,7 @@ def arena_offset(record_bytes: int) -> int:
 # ------------------------------------------------------------------ encode
 
 
-def _flatten(c: RecordCodec, record: Any) -> tuple[tuple, bytearray]:
+def _flatten(c: RecordCodec, record: Any) -> tuple[tuple[Any, ...], bytearray]:
     arena = bytearray()
     try:
         return c.flatten(record, arena, c.name), arena
@@ -64,7 +68,7 @@ def _flatten(c: RecordCodec, record: Any) -> tuple[tuple, bytearray]:
         raise diagnose(c, record, e) from None
 
 
-def encode_into(buf, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
+def encode_into(buf: WritableMessage, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
     """Write `record` (struct `name`) with its arena into the writable buffer
     `buf`, from offset 0, stamped with `session`. Returns the bytes written."""
     c = CODECS[name]
@@ -76,7 +80,7 @@ def encode_into(buf, name: str, record: Any, kind: int | None = None, session: i
     return encode_into_py(buf, name, record, kind, session)
 
 
-def encode_into_py(buf, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
+def encode_into_py(buf: WritableMessage, name: str, record: Any, kind: int | None = None, session: int = 0) -> int:
     """encode_into without the C fast path (what it falls back to)."""
     c = CODECS[name]
     flat, arena = _flatten(c, record)
@@ -116,7 +120,7 @@ def pack_record(name: str, record: Any) -> bytes:
         raise diagnose(c, record, e) from None
 
 
-def unpack_record(name: str, data) -> Any:
+def unpack_record(name: str, data: Message) -> Any:
     """The record of C bytes written by pack_record (or by C)."""
     c = CODECS[name]
     if len(data) < c.size:
@@ -127,26 +131,27 @@ def unpack_record(name: str, data) -> Any:
 # ------------------------------------------------------------------ decode
 
 
-def read_header(buf) -> tuple[int, int, int]:
+def read_header(buf: Message) -> tuple[int, int, int]:
     """(kind, record_bytes, arena_bytes) of a slot message."""
     if len(buf) < MSG_HEADER_BYTES:
         raise bounds_error("MsgHeader", f"{len(buf)} bytes, shorter than a message header")
     return _HDR3.unpack_from(buf, 0)
 
 
-def session_of(buf) -> int:
+def session_of(buf: Message) -> int:
     """MsgHeader.session of a slot message (0 when the slot is too short)."""
     if len(buf) < MSG_HEADER_BYTES:
         return 0
-    return _SESSION.unpack_from(buf, _SESSION_AT)[0]
+    session: int = _SESSION.unpack_from(buf, _SESSION_AT)[0]
+    return session
 
 
-def set_session(buf, session: int) -> None:
+def set_session(buf: WritableMessage, session: int) -> None:
     """Stamp MsgHeader.session of a message already in `buf`."""
     _SESSION.pack_into(buf, _SESSION_AT, session)
 
 
-def decode(buf, name: str, kind: int | None = None) -> Any:
+def decode(buf: Message, name: str, kind: int | None = None) -> Any:
     """The record `name` of a slot message, with every span read."""
     c = CODECS[name]
     k = c.kind if kind is None else kind
@@ -157,13 +162,13 @@ def decode(buf, name: str, kind: int | None = None) -> Any:
     return decode_py(buf, name, kind)
 
 
-def fast_decoder(name: str) -> Callable[[Any], Any]:
+def fast_decoder(name: str) -> Callable[[Message], Any]:
     """buf -> the record `name` of a well-formed message of its kind, or
     None for anything else (another kind, a malformed one: decode says
     what): the C path alone, for a reader's common message."""
     c = CODECS[name]
     if c.index < 0 or c.kind is None:
-        def slow(buf):
+        def slow(buf: Message) -> Any:
             try:
                 return decode_py(buf, name)
             except CodecError:
@@ -173,7 +178,7 @@ def fast_decoder(name: str) -> Callable[[Any], Any]:
     return lambda buf: native_decode(buf, index, kind)
 
 
-def decode_py(buf, name: str, kind: int | None = None) -> Any:
+def decode_py(buf: Message, name: str, kind: int | None = None) -> Any:
     """decode without the C fast path (what it falls back to, and what
     raises the CodecError naming the field)."""
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
@@ -198,7 +203,7 @@ def decode_py(buf, name: str, kind: int | None = None) -> Any:
     return c.unflatten(t, mv[start:start + arena_bytes], name)
 
 
-def write_raw(buf, kind: int, payload: bytes, session: int = 0) -> int:
+def write_raw(buf: WritableMessage, kind: int, payload: bytes, session: int = 0) -> int:
     """A message with no record: MsgHeader {kind, 0, len(payload), session} +
     payload (the arena starts right after the header)."""
     total = MSG_HEADER_BYTES + len(payload)
@@ -209,7 +214,7 @@ def write_raw(buf, kind: int, payload: bytes, session: int = 0) -> int:
     return total
 
 
-def copy_message(buf) -> tuple[int, bytes]:
+def copy_message(buf: Message) -> tuple[int, bytes]:
     """(kind, bytes of the whole message) copied out of a slot, its lengths
     checked against the slot."""
     kind, record_bytes, arena_bytes = read_header(buf)
@@ -219,7 +224,7 @@ def copy_message(buf) -> tuple[int, bytes]:
     return kind, bytes(buf[:start + arena_bytes])
 
 
-def raw_payload(buf) -> bytes:
+def raw_payload(buf: Message) -> bytes:
     """The payload of a raw message written by write_raw."""
     _kind, record_bytes, arena_bytes = read_header(buf)
     if record_bytes != 0 or arena_bytes > len(buf) - MSG_HEADER_BYTES:

@@ -27,6 +27,7 @@ from superfluid.abi import (
     codec,
     ffi,
 )
+from superfluid.abi.codec import Message, WritableMessage
 from superfluid.abi.records import (
     LAYOUTS,
     TOP_LEVEL,
@@ -37,10 +38,6 @@ from superfluid.abi.records import (
     TickEvents,
     TickPlan,
 )
-
-# A slot message as read (a slot is a memoryview; bytes from elsewhere), and one to write into.
-Message = bytes | bytearray | memoryview
-WritableMessage = bytearray | memoryview
 
 _SAMPLING = frozenset(int(s) for s in Sampling)
 _DETERMINISM = frozenset(int(d) for d in Determinism)

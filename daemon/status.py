@@ -113,11 +113,14 @@ def _exit_text(w: dict[str, Any]) -> str:
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
+    if n < 1024:
+        return f"{n} B"
+    x = n / 1024
+    for unit in ("KiB", "MiB"):
+        if x < 1024:
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"
 
 
 def format_status(st: dict[str, Any]) -> str:

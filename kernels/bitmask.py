@@ -23,6 +23,13 @@ try:
 except ImportError:  # pragma: no cover - a build without the extension
     ffi = lib = None
 
+
+
+def native() -> bool:
+    """Whether the C kernel (sf_apply_bitmask) is there; else numpy does it."""
+    return lib is not None
+
+
 _NEG_INF_BITS = np.int32(-0x800000)  # float32 -inf's bits (0xff800000) as an int32
 _scratch = threading.local()  # each thread's reused buffers
 

@@ -97,7 +97,7 @@ def apply_bitmask_torch(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor 
     if x.device.type == "cpu" and x.dtype == torch.float32:
         xn = x.detach().numpy()
         listed = None if rows is None else rows.tolist()
-        if inplace and x.is_contiguous() and bitmask.lib is not None:
+        if inplace and x.is_contiguous() and bitmask.native():
             apply_bitmask(xn, bits.numpy(), listed, xn)
             return x
         return torch.from_numpy(apply_bitmask(xn, bits.numpy(), listed, reuse=reuse))

@@ -205,8 +205,8 @@ class Segment:
                 offsets = {f"{n}_{w}": int(getattr(h.layout, f"{n}_{w}"))
                            for n, w in [(q, "queue") for q in QUEUES] + [(r, "ring") for r, _, _ in RINGS]}
             self._offsets = offsets
-            self.queues = {q: self._region(q, "queue") for q in QUEUES}
-            self.rings = {r: self._region(r, "ring") for r, _, _ in RINGS}
+            self.queues = {q: self._queue(q) for q in QUEUES}
+            self.rings = {r: self._ring(r) for r, _, _ in RINGS}
             if self.config is None:
                 self._check_layout()
         except BaseException:
@@ -278,17 +278,25 @@ class Segment:
         if ends[-1] != self.size:
             raise SegmentError(f"{self.path}: the regions end at {ends[-1]}, the segment at {self.size}")
 
-    def _region(self, name: str, what: str):
+    def _offset(self, name: str, what: str) -> int:
         off = self._offsets[f"{name}_{what}"]
         minimum = QUEUE_HEADER_BYTES if what == "queue" else RING_HEADER_BYTES
         if off % CACHE_LINE or off < HEADER_BYTES or off > self.size - minimum:
             raise SegmentError(f"{self.path}: layout.{name}_{what} = {off} is outside the segment")
-        cfg = self.config
+        return off
+
+    def _queue(self, name: str) -> SlotQueue:
+        off, cfg = self._offset(name, "queue"), self.config
+        geo = None if cfg is None else (getattr(cfg, f"{name}_slots"), getattr(cfg, f"{name}_slot_bytes"))
         try:
-            if what == "queue":
-                geo = None if cfg is None else (getattr(cfg, f"{name}_slots"), getattr(cfg, f"{name}_slot_bytes"))
-                return SlotQueue(self, self._base + off, self.size - off, name, geo)
-            geo = None if cfg is None else next((int(rid), getattr(cfg, cap)) for r, rid, cap in RINGS if r == name)
+            return SlotQueue(self, self._base + off, self.size - off, name, geo)
+        except ValueError as e:
+            raise SegmentError(f"{self.path}: {e}") from None
+
+    def _ring(self, name: str) -> DataRing:
+        off, cfg = self._offset(name, "ring"), self.config
+        geo = None if cfg is None else next((int(rid), getattr(cfg, cap)) for r, rid, cap in RINGS if r == name)
+        try:
             return DataRing(self, self._base + off, self.size - off, geo)
         except ValueError as e:
             raise SegmentError(f"{self.path}: {e}") from None
@@ -329,14 +337,14 @@ class Segment:
     # ------------------------------------------------------ header fields
 
     def _u32(self, field: str) -> int:
-        return lib.sf_load_acquire_u32(ffi.addressof(self._live(), field))
+        return int(lib.sf_load_acquire_u32(ffi.addressof(self._live(), field)))
 
     def _set_u32(self, field: str, v: int) -> None:
         lib.sf_store_release_u32(ffi.addressof(self._live(), field), v)
 
     @property
     def name(self) -> str:
-        return ffi.string(self._live().name).decode()
+        return bytes(ffi.string(self._live().name)).decode()
 
     @property
     def index(self) -> int:
@@ -346,13 +354,13 @@ class Segment:
     def epoch(self) -> int:
         if self.closed:
             self._live()
-        return _load_u64(self._epoch_p)
+        return int(_load_u64(self._epoch_p))
 
     @property
     def worker_state(self) -> WorkerState | int:
         if self.closed:
             self._live()
-        v = _load_u32(self._state_p)
+        v: int = _load_u32(self._state_p)
         # A value no daemon or worker writes comes back as the int: a planner
         # scribbled (readers must not choke on it).
         return _STATES.get(v, v)
@@ -368,7 +376,7 @@ class Segment:
         """A new worker generation (the daemon, before (re)starting a
         worker). Waiters on the old epoch wake and see PeerGone."""
         h = self._live()
-        epoch = lib.sf_fetch_add_u64(ffi.addressof(h, "worker_epoch"), 1) + 1
+        epoch = int(lib.sf_fetch_add_u64(ffi.addressof(h, "worker_epoch"), 1)) + 1
         self.set_worker_state(state)
         return epoch
 
@@ -402,7 +410,7 @@ class Segment:
     @property
     def session_id(self) -> int:
         """The connected planner's session (0: none began one)."""
-        return lib.sf_load_acquire_u64(ffi.addressof(self._live(), "session_id"))
+        return int(lib.sf_load_acquire_u64(ffi.addressof(self._live(), "session_id")))
 
     def begin_session(self) -> int:
         """A new session (sf_session_begin): its id, never 0."""
@@ -436,7 +444,7 @@ class Segment:
             setattr(r, f, getattr(desc, f))
 
     @property
-    def counters(self):
+    def counters(self) -> Any:
         """The worker's live counters (a cffi view: read or write fields)."""
         return self._live().counters
 
