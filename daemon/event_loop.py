@@ -18,8 +18,13 @@ HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 class EventLoop:
     def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()
-        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._sel.register(self._r, selectors.EVENT_READ, None)
+        self._r = self._w = -1
+        try:
+            self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._sel.register(self._r, selectors.EVENT_READ, None)
+        except BaseException:
+            self.close()  # nothing made here outlives a failed start
+            raise
 
     def watch(self, fd: int, data: Any) -> None:
         """Report `data` from select() when fd is readable (a pidfd: its process exited)."""

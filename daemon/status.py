@@ -21,7 +21,7 @@ from typing import Any
 from superfluid.abi import Fault, WorkerState, lib
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.liveness import pid_alive
-from superfluid.rings.naming import NAME_RE, shm_dir
+from superfluid.rings.naming import NAME_RE, parse_segment_path, shm_dir
 from superfluid.rings.segment import Segment, state_name
 
 DEFAULT_NAME = "superfluid"
@@ -34,9 +34,9 @@ def segment_paths(name: str) -> list[tuple[int, str]]:
     prefix = os.path.join(shm_dir(), f"superfluid.{name}.")
     found = []
     for path in glob.glob(glob.escape(prefix) + "*"):
-        suffix = path[len(prefix):]
-        if suffix.isdigit():
-            found.append((int(suffix), path))
+        # Only names segment_path makes: anyone may put "superfluid.NAME.²" there.
+        if (parsed := parse_segment_path(path)) is not None and parsed[0] == name:
+            found.append((parsed[1], path))
     return sorted(found)
 
 

@@ -257,8 +257,8 @@ class Worker:
             self._flush_ops()  # the last session's completions are its own
             self.session = session
             self.ex.begin_session(session)
+            self.seg.counters.last_plan_seq = 0  # first: the header says it is session_id's (0 before a plan)
             self.seg.counters.session_id = session  # at once: sf_session_begin counts past it
-            self.seg.counters.last_plan_seq = 0  # the header: 0 before the new session's first plan
         return True
 
     def _stale(self, what: str, session: int) -> str:

@@ -8,7 +8,7 @@ import re
 
 from superfluid.rings.errors import SegmentError
 
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,30}\Z")  # \Z: no name ends in a newline
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,30}\Z")  # \Z: no name ends in a newline
 
 
 def shm_dir() -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from superfluid.abi import Sampling
 from superfluid.abi.records import SamplingParams
+from superfluid.rings.naming import shm_dir
 
 SYSTEM_PROMPTS = (
     "You are a careful assistant. Answer briefly and cite the spec section. ",
@@ -226,7 +227,7 @@ def run(*, requests: int = 24, model: str | None = None, arch: str = "llama", ba
                                 + (f", e.g. {json.dumps(answers[0])}" if answers and answers[0] else "")),
     ]), file=out)
     ok = len(same) == len(first) and s.restarts >= 1 and all(a is not None for a in answers)
-    leftover = [f for f in os.listdir(os.environ.get("SUPERFLUID_SHM_DIR", "/dev/shm"))
+    leftover = [f for f in os.listdir(shm_dir())
                 if f.startswith(f"superfluid.{name}.")]
     print(f"\n{'OK' if ok else 'MISMATCH'}: daemon stopped, {len(leftover)} segment(s) left behind", file=out)
     return 0 if ok and not leftover else 1

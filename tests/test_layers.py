@@ -16,6 +16,7 @@ import superfluid.executor
 ROOT = Path(superfluid.__file__).resolve().parent.parent
 ORDER = ["abi", "rings", "kernels", "engine", "executor", "daemon", "client"]
 RANK = {name: i for i, name in enumerate(ORDER)}
+TOP = len(ORDER)  # superfluid's own modules (cli, bench, demo, testing) and fuzz: above every folder
 
 
 def imports(source: str, package: str) -> list[tuple[int, str]]:
@@ -29,20 +30,23 @@ def imports(source: str, package: str) -> list[tuple[int, str]]:
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.startswith("superfluid."):
+            elif node.module == "superfluid" or (node.module or "").startswith("superfluid."):
                 mod = node.module
             else:
                 continue
-            if mod.count(".") == 1 or not node.module:  # from superfluid.pkg (or .) import mod: modules
+            if mod.count(".") <= 1 or not node.module:  # from superfluid[.pkg] (or .) import mod: modules
                 out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
             else:
                 out.append((node.lineno, mod))
     return out
 
 
-def layer_of(module: str) -> str | None:
+def rank_of(module: str) -> int | None:
+    """The layer of a superfluid.* module (None: the package root itself)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in RANK else None
+    if len(parts) < 2:
+        return None
+    return RANK.get(parts[1], TOP)
 
 
 def sources(folder: str) -> list[tuple[str, list[tuple[int, str]]]]:
@@ -56,7 +60,7 @@ def sources(folder: str) -> list[tuple[str, list[tuple[int, str]]]]:
 
 def upward(folder: str, found: list[tuple[str, list[tuple[int, str]]]]) -> list[str]:
     return [f"{name}:{line} imports {m}" for name, got in found for line, m in got
-            if (other := layer_of(m)) is not None and RANK[other] > RANK[folder]]
+            if (r := rank_of(m)) is not None and r > RANK[folder]]
 
 
 @pytest.mark.parametrize("folder", ORDER)
@@ -64,10 +68,13 @@ def test_no_lower_layer_imports_a_higher_one(folder):
     assert upward(folder, sources(folder)) == []
 
 
+def unexported(found: list[tuple[str, list[tuple[int, str]]]]) -> list[str]:
+    return [f"{name}:{line} imports {m}" for name, got in found for line, m in got
+            if m.startswith("superfluid.executor.") and m.split(".")[2] not in superfluid.executor.__all__]
+
+
 def test_the_daemon_uses_only_what_the_executor_exports():
-    wrong = [f"{name}:{line} imports {m}" for name, got in sources("daemon") for line, m in got
-             if m.startswith("superfluid.executor.") and m.split(".")[2] not in superfluid.executor.__all__]
-    assert wrong == []
+    assert unexported(sources("daemon")) == []
 
 
 def test_the_rule_sees_wrong_imports():
@@ -80,3 +87,9 @@ def test_the_rule_sees_wrong_imports():
     assert got == [(1, "superfluid.engine.runtime"), (5, "superfluid.rings.sub.errors"),
                    (3, "superfluid.engine.kv"), (4, "superfluid.daemon.worker")]
     assert len(upward("rings", [("x.py", got)])) == 3
+    top = imports("from superfluid import executor, testing as t\nimport superfluid.bench.tick\n", "superfluid.engine")
+    assert [m for _, m in top] == ["superfluid.executor", "superfluid.testing", "superfluid.bench.tick"]
+    assert len(upward("engine", [("y.py", top)])) == 3
+    inner = imports("from superfluid.executor.tick import Tick\nfrom superfluid.executor import Executor\n",
+                    "superfluid.daemon")
+    assert unexported([("z.py", inner)]) == ["z.py:1 imports superfluid.executor.tick"]

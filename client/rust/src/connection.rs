@@ -85,7 +85,7 @@ pub struct Connection {
 }
 
 fn shm_dir() -> String {
-    std::env::var("SUPERFLUID_SHM_DIR").unwrap_or_else(|_| "/dev/shm".into())
+    std::env::var("SUPERFLUID_SHM_DIR").ok().filter(|d| !d.is_empty()).unwrap_or_else(|| "/dev/shm".into())
 }
 
 fn wait_error(r: i64, what: &'static str) -> Error {
