@@ -14,12 +14,11 @@ that abi.rs missed fails the Rust build, not a planner at run time.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Any
 
-from superfluid.abi import ffi, lib
+from superfluid.abi import ffi, generated, lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUST_DIR = os.path.join(ROOT, "client", "rust")
@@ -98,29 +97,7 @@ FILES = {os.path.join(RUST_DIR, "src", "abi.rs"): rust_source, os.path.join(RUST
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="exit 1 when a generated file is out of date")
-    args = p.parse_args(argv)
-    stale = []
-    for path, make in FILES.items():
-        text = make()
-        try:
-            with open(path, encoding="utf-8") as f:
-                same = f.read() == text
-        except FileNotFoundError:
-            same = False
-        if same:
-            continue
-        stale.append(path)
-        if not args.check:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-    if args.check and stale:
-        print(f"out of date (run python -m superfluid.abi.gen_bindings): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
-
+    return generated.main("superfluid.abi.gen_bindings", __doc__, FILES, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,13 +20,12 @@ Beside them, from the layout the compiler gave cffi:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from superfluid.abi import ffi, lib
+from superfluid.abi import ffi, generated, lib
 
 ABI_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(ABI_DIR)
@@ -120,29 +119,7 @@ FILES[os.path.join(GO_DIR, "layout_gen.go")] = layout_source
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="exit 1 when a generated file is out of date")
-    args = p.parse_args(argv)
-    stale = []
-    for path, make in FILES.items():
-        text = make()
-        try:
-            with open(path, encoding="utf-8", newline="") as f:
-                same = f.read() == text
-        except FileNotFoundError:
-            same = False
-        if same:
-            continue
-        stale.append(os.path.relpath(path, ROOT))
-        if not args.check:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-    if args.check and stale:
-        print(f"out of date (run python -m superfluid.abi.gen_go): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
-
+    return generated.main("superfluid.abi.gen_go", __doc__, FILES, argv)
 
 if __name__ == "__main__":
     sys.exit(main())
