@@ -7,6 +7,11 @@ hand (header_types.pyi, generated from them, states the enums for a type checker
 
 from __future__ import annotations
 
+if __name__ != "superfluid.abi":  # imported by its bare name from a checkout's root: not ours
+    from superfluid.checkout import not_ours
+
+    not_ours(__name__, __file__)
+
 import enum
 import os
 from typing import TYPE_CHECKING, Any

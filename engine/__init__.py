@@ -1,5 +1,10 @@
 """The engine: the runtime interface, the model runtimes (transformer, Mamba2, the fake) and model loading."""
 
+if __name__ != "superfluid.engine":  # imported by its bare name from a checkout's root: not ours
+    from superfluid.checkout import not_ours
+
+    not_ours(__name__, __file__)
+
 from superfluid.engine.runtime import (
     CapacityError,
     FatalError,

@@ -3,6 +3,11 @@
 What a worker (daemon/) uses is exported here; the modules below are the
 executor's own."""
 
+if __name__ != "superfluid.executor":  # imported by its bare name from a checkout's root: not ours
+    from superfluid.checkout import not_ours
+
+    not_ours(__name__, __file__)
+
 from superfluid.executor.executor import Executor, ExecutorFatal, TickResult
 from superfluid.executor.speculation import MAX_SLOTS as SPEC_SLOTS
 from superfluid.executor.speculation_gate import MAX_BUCKET as SPEC_MAX_BUCKET

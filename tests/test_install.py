@@ -99,7 +99,9 @@ def test_gpu_check_starts_its_parts_with_a_safe_path():
         assert argv[:2] == [sys.executable, "-P"], (name, argv)
 
 
-@pytest.mark.parametrize("launch", ["suite", "gpu-check", "make"])
+# "plain": `python -c` from the root, which puts the root first on sys.path: the
+# folders' __init__ step aside for installed packages of their names (superfluid/checkout.py).
+@pytest.mark.parametrize("launch", ["suite", "gpu-check", "make", "plain"])
 def test_transformers_gets_its_kernels_and_we_get_ours(launch):
     pytest.importorskip("transformers")
     if importlib.util.find_spec("kernels") is None:
@@ -123,7 +125,7 @@ def throwaways(tmp_path_factory) -> Path:
     return site
 
 
-@pytest.mark.parametrize("launch", ["suite", "gpu-check", "make"])
+@pytest.mark.parametrize("launch", ["suite", "gpu-check", "make", "plain"])
 def test_an_installed_package_named_like_a_top_level_folder_is_the_one_found(launch, throwaways):
     assert {"kernels", "engine", "abi"} <= set(PACKAGES), PACKAGES  # the names that matter are probed
     out = _run(launch, "names", FOLDERS, _env(PYTHONPATH=str(throwaways)))
@@ -131,10 +133,21 @@ def test_an_installed_package_named_like_a_top_level_folder_is_the_one_found(lau
     assert not shadowed, f"{launch}: the repository's {shadowed} were imported (sys.path[0]: {out['path0']})"
 
 
-def test_negative_control_a_plain_python_c_from_the_root_is_shadowed(throwaways):
-    out = _run("plain", "names", FOLDERS, _env(PYTHONPATH=str(throwaways)))
-    shadowed = [n for n in PACKAGES if not out[n]]
-    assert shadowed == PACKAGES, out
+def test_a_folder_named_like_nothing_installed_is_not_importable_by_its_bare_name():
+    r = subprocess.run([sys.executable, "-c", "import engine"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "ModuleNotFoundError: No module named 'engine'" in r.stderr, r.stderr
+
+
+def test_negative_control_a_folder_without_the_guard_shadows(tmp_path, throwaways):
+    """The probe sees shadowing where it happens: a checkout-like root whose
+    kernels/ lacks the guard wins over the installed kernels under `python -c`."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    r = subprocess.run([sys.executable, "-c", PROBE, "names", "kernels"], cwd=tmp_path,
+                       env=_env(PYTHONPATH=str(throwaways)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["kernels"] is None  # not the throwaway
 
 
 # ------------------------------------------------------------------ the lock

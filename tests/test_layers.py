@@ -17,6 +17,7 @@ ROOT = Path(superfluid.__file__).resolve().parent.parent
 ORDER = ["abi", "rings", "kernels", "engine", "executor", "daemon", "client"]
 RANK = {name: i for i, name in enumerate(ORDER)}
 TOP = len(ORDER)  # superfluid's own modules (cli, bench, demo, testing) and fuzz: above every folder
+BOTTOM = {"checkout": -1}  # what every folder's __init__ uses when imported by its bare name
 
 
 def imports(source: str, package: str) -> list[tuple[int, str]]:
@@ -46,7 +47,7 @@ def rank_of(module: str) -> int | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None
-    return RANK.get(parts[1], TOP)
+    return BOTTOM.get(parts[1], RANK.get(parts[1], TOP))
 
 
 def sources(folder: str) -> list[tuple[str, list[tuple[int, str]]]]:
