@@ -27,11 +27,13 @@ def not_ours(name: str, init_file: str) -> None:
             spec = find(name, None)
         if spec is not None:
             break
-    if spec is None or spec.loader is None:
+    if spec is None:
         raise ModuleNotFoundError(f"No module named {name!r} (the checkout's {name}/ is superfluid.{name})",
                                   name=name)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    if spec.loader is None:  # a namespace package: nothing to run
+        return
     try:
         spec.loader.exec_module(module)
     except BaseException:
