@@ -17,11 +17,14 @@ import functools
 import torch
 
 from superfluid.engine.config import ModelConfig
+from superfluid.engine.kv import KVPool
+from superfluid.engine.parallel.sharding import reduction_parts
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import AttnBatch, heads_major
 from superfluid.kernels.backend import Backend
 
 _LINEARS = ("qkv", "o", "gate_up", "down")
+_ROW_PARALLEL = ("o", "down")
 
 
 @dataclasses.dataclass
@@ -84,6 +87,7 @@ class Model:
         self.cos = cos.to(self.device)
         self.sin = sin.to(self.device)
         self.scale = cfg.head_dim ** -0.5
+        self.parts = reduction_parts(cfg)
         self.stack = None
         if backend.fused_cpu:
             self._pack(backend.cpu)
@@ -97,7 +101,9 @@ class Model:
         self.lm_head = cpu.pack(self.lm_head)
         for layer in self.layers:
             for name in _LINEARS:
-                setattr(layer, name, cpu.pack(getattr(layer, name), getattr(layer, name + "_bias")))
+                w, b = getattr(layer, name), getattr(layer, name + "_bias")
+                # o and down reduce in fixed pieces at every TP degree (engine/parallel/sharding.py).
+                setattr(layer, name, cpu.pack_parts(w, self.parts, b) if name in _ROW_PARALLEL else cpu.pack(w, b))
                 setattr(layer, name + "_bias", None)
             for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
                 t = getattr(layer, name)
@@ -107,6 +113,14 @@ class Model:
         self.stack = cpu.Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                scale=self.scale, cos=self.cos, sin=self.sin)
+
+    def close(self) -> None:
+        """Nothing to release but memory (a tensor-parallel leader stops its group)."""
+
+    def kv_pool(self, n_blocks: int, page: int) -> KVPool:
+        """The KV pool this model's forward pass reads and writes."""
+        return KVPool(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, n_blocks, page,
+                      dtype=self.dtype, device=self.device, heads_major=self.backend.heads_major_kv)
 
     @functools.cached_property
     def weight_bytes(self) -> int:
@@ -184,6 +198,6 @@ class Model:
             a = cpu.attention(qkv, lay, heads_major(k_cache[li]), heads_major(v_cache[li]), n_heads=cfg.num_heads,
                               n_kv=cfg.num_kv_heads, head_dim=cfg.head_dim, cos=self.cos, sin=self.sin,
                               q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps, scale=self.scale)
-            cpu.linear(a, layer.o, out=x, residual=True)
+            cpu.combine(cpu.linear_parts(a, layer.o), x, layer.o.bias)
             h = cpu.rmsnorm(x, layer.mlp_norm, eps)
-            cpu.linear(cpu.silu_mul(cpu.linear(h, layer.gate_up)), layer.down, out=x, residual=True)
+            cpu.combine(cpu.linear_parts(cpu.silu_mul(cpu.linear(h, layer.gate_up)), layer.down), x, layer.down.bias)

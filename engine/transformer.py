@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from superfluid.engine.config import ModelConfig
-from superfluid.engine.kv import KVPool, SeqState
+from superfluid.engine.kv import SeqState
 from superfluid.engine.kv_mirrors import DecodeMirrors
 from superfluid.engine.model import Model
 from superfluid.engine.runtime import (
@@ -57,8 +57,7 @@ class TransformerRuntime(Runtime):
         cfg: ModelConfig = model.cfg
         self.model = model
         self.cfg = cfg
-        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-kv_cells // page) + 1, page,
-                           dtype=model.dtype, device=model.device, heads_major=model.backend.heads_major_kv)
+        self.pool = model.kv_pool(-(-kv_cells // page) + 1, page)
         self.seqs: dict[int, SeqState] = {}
         self._next_id = 1
         self.desc = RuntimeDescription(
@@ -317,6 +316,7 @@ class TransformerRuntime(Runtime):
 
     def close(self) -> None:
         self.seqs.clear()
+        self.model.close()
         if self._mirrors:
             self._mirrors.entries.clear()
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from .checkpoint import NotRegular, read_text, regular_file
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .parallel.sharding import Shard
 
 __all__ = ["INDEX_FILE", "WeightError", "check_weights", "expected_shapes", "load_weights", "num_params"]
 
@@ -140,15 +144,16 @@ def _dtype_name(dtype: str) -> str:
     return dtype.lower()
 
 
-def load_weights(path: str | Path, cfg: ModelConfig,
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None,
+                 shard: Shard | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by HF name, checked against `cfg` (check_weights:
     a mismatch is refused before any data is read) and cast to `dtype`
     (default cfg.dtype). Sharded checkpoints are read through
     model.safetensors.index.json when present, else every *.safetensors in
     the directory. With tied embeddings "lm_head.weight" is the very tensor
     of "model.embed_tokens.weight" (unless the checkpoint also stores a
-    different head, which transformers 5 then serves untied)."""
+    different head, which transformers 5 then serves untied). With `shard`,
+    only a tensor-parallel rank's rows or columns of each are read."""
     dtype = cfg.dtype if dtype is None else dtype
     files = check_weights(path, cfg)
     by_file: dict[Path, list[str]] = {}
@@ -159,7 +164,13 @@ def load_weights(path: str | Path, cfg: ModelConfig,
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names:
-                    out[name] = f.get_tensor(name).to(dtype)
+                    cut = shard.rows_of(name, cfg) if shard is not None else None
+                    if cut is None:
+                        out[name] = f.get_tensor(name).to(dtype)
+                    else:  # only this rank's slice is read
+                        view, (axis, r) = f.get_slice(name), cut
+                        t = view[r.start:r.stop] if axis == "rows" else view[:, r.start:r.stop]
+                        out[name] = t.to(dtype).contiguous()
         except OSError as e:
             raise WeightError(f"{file}: cannot read ({e})") from None
     ordered = {n: out[n] for n in expected_shapes(cfg)}  # one order, whatever the shard layout

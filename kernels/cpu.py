@@ -139,10 +139,11 @@ def _check(rc: int, what: str) -> None:
 class Packed:
     """A linear layer's weight [out, in] packed for sf_linear, and its bias."""
 
-    w: torch.Tensor  # [panels, in, PANEL], float32 or bfloat16
+    w: torch.Tensor  # [parts * panels, in / parts, PANEL], float32 or bfloat16
     out: int
     inp: int
     bias: torch.Tensor | None  # float32 [out]
+    parts: int = 1  # pieces the reduction is split into (pack_parts)
 
     @property
     def nbytes(self) -> int:
@@ -160,10 +161,25 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
     return Packed(wp, out, inp, None if bias is None else bias.float().contiguous())
 
 
+def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None) -> Packed:
+    """A weight [out, in] whose reduction runs as `parts` pieces of in / parts
+    inputs (linear_parts, then combine): each piece packed as `pack` does,
+    one after another."""
+    out, inp = w.shape
+    if parts < 1 or inp % parts:
+        raise ValueError(f"pack_parts: {inp} inputs do not split into {parts} pieces")
+    step = inp // parts
+    pieces = [pack(w[:, i * step:(i + 1) * step].contiguous()).w for i in range(parts)]
+    return Packed(torch.cat(pieces).contiguous(), out, inp, None if bias is None else bias.float().contiguous(),
+                  parts)
+
+
 @_profiled
 def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
     """x [n, in] float32 -> [n, out] float32 (y = x W.T + b). With residual,
     `out` holds x' and gets x' + (x W.T + b), rounded as torch would."""
+    if p.parts != 1:
+        raise ValueError("linear: a weight packed in pieces goes through linear_parts and combine")
     x = _rows(x, p.inp, "linear: x")
     n = x.shape[0]
     if out is None:
@@ -173,6 +189,32 @@ def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual
         raise ValueError(f"linear: out must be float32 [{n}, {p.out}] with unit stride")
     _check(lib.sf_linear(_f(x), x.stride(0), n, p.inp, _v(p.w), int(p.w.dtype == torch.bfloat16), p.out,
                          _f(p.bias), _f(out), out.stride(0), int(residual), _threads()), "sf_linear")
+    return out
+
+
+@_profiled
+def linear_parts(x: torch.Tensor, p: Packed) -> torch.Tensor:
+    """x [n, in] float32 -> [p.parts, n, out]: piece i is x[:, i k:(i + 1) k]
+    times its piece of the weight (k = in / parts), summed from zero; no bias."""
+    x = _rows(x, p.inp, "linear_parts: x")
+    n = x.shape[0]
+    y = x.new_empty((p.parts, n, p.out))
+    _check(lib.sf_linear_parts(_f(x), x.stride(0), n, p.inp // p.parts, p.parts, _v(p.w),
+                               int(p.w.dtype == torch.bfloat16), p.out, _f(y), _threads()), "sf_linear_parts")
+    return y
+
+
+@_profiled
+def combine(parts: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out += ((parts[0] + parts[1]) + ...) + bias, pieces added in order: the
+    same bits whichever ranks computed which pieces."""
+    if parts.dtype != torch.float32 or parts.dim() != 3 or not parts.is_contiguous() or parts.device.type != "cpu":
+        raise ValueError("combine: parts must be contiguous float32 [pieces, n, out] on the CPU")
+    g, n, width = parts.shape
+    if out.dtype != torch.float32 or out.shape != (n, width) or out.stride(-1) != 1 or out.device.type != "cpu":
+        raise ValueError(f"combine: out must be float32 [{n}, {width}] with unit stride")
+    _vec(bias, width, "combine: bias")
+    _check(lib.sf_combine(_f(parts), g, n, width, _f(bias), _f(out), out.stride(0), _threads()), "sf_combine")
     return out
 
 
@@ -301,8 +343,12 @@ class Stack:
                 t = getattr(L, name)
                 setattr(c, name, _f(t))
                 self._keep.append(t)
+        parts = {(L.o.parts, L.down.parts) for L in layers}
+        if len(parts) > 1 or len({p for pair in parts for p in pair}) > 1:
+            raise ValueError("Stack: every row-parallel layer must be packed in the same number of pieces")
+        self.parts = layers[0].o.parts if layers else 1
         self.model = ffi.new("sf_model *", dict(
-            n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter,
+            n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
             bf16=int(bf16 == {True}), eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
         self._pool = None
 
@@ -336,8 +382,9 @@ class Stack:
         att = x.new_empty((n, nh * hd))
         gu = x.new_empty((n, 2 * inter))
         act = x.new_empty((n, inter))
+        parts = x.new_empty((self.parts, n, hidden))
         t = layout.tables
         _check(lib.sf_forward(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
-                              _threads()), "sf_forward")
+                              _f(parts), _threads()), "sf_forward")
         return x

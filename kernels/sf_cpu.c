@@ -417,11 +417,12 @@ int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, floa
 /* Every decoder layer of a step in one call (one Python call a step instead
  * of seven a layer: at batch 1 those calls were a third of the step). The
  * same kernels, in the same order, as the layer-by-layer path. x [n, hidden]
- * is the residual stream, in and out; the rest is scratch. */
+ * is the residual stream, in and out; the rest is scratch (parts: [m->parts,
+ * n, hidden], the row-parallel layers' pieces). */
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
-               float *gu, float *act, int nthreads) {
-    int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd;
+               float *gu, float *act, float *parts, int nthreads) {
+    int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd, g = m->parts;
     for (int l = 0; l < m->n_layers; l++) {
         const sf_layer *L = &m->layers[l];
         int rc = sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads);
@@ -429,11 +430,13 @@ int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int
         rc |= sf_attention(qkv, qkvw, n, m->nh, m->nkv, m->hd, pos, cells, feed_of, tables, width, m->cos, m->sin,
                            L->q_norm, L->k_norm, m->eps, L->k_pool, L->v_pool, m->kv_bf16, m->head_stride,
                            m->page, m->scale, att, q, nthreads);
-        rc |= sf_linear(att, q, n, q, L->o, m->bf16, H, L->o_b, x, H, 1, nthreads);
+        rc |= sf_linear_parts(att, q, n, q / g, g, L->o, m->bf16, H, parts, nthreads);
+        rc |= sf_combine(parts, g, n, H, L->o_b, x, H, nthreads);
         rc |= sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads);
         rc |= sf_linear(h, H, n, H, L->gate_up, m->bf16, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0, nthreads);
         rc |= sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads);
-        rc |= sf_linear(act, m->inter, n, m->inter, L->down, m->bf16, H, L->down_b, x, H, 1, nthreads);
+        rc |= sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->bf16, H, parts, nthreads);
+        rc |= sf_combine(parts, g, n, H, L->down_b, x, H, nthreads);
         if (rc) return -1;
     }
     return 0;

@@ -15,8 +15,10 @@ typedef struct {
     void *k_pool, *v_pool;
 } sf_layer;
 
+/* parts: the pieces o and down reduce over (sf_linear_parts); their weights
+ * are packed piece after piece. */
 typedef struct {
-    int n_layers, hidden, nh, nkv, hd, inter, bf16, kv_bf16, page;
+    int n_layers, hidden, nh, nkv, hd, inter, parts, bf16, kv_bf16, page;
     long head_stride;
     float eps, scale;
     const float *cos, *sin;
@@ -29,6 +31,9 @@ void sf_cpu_force_isa(int isa);
 void sf_pool_park(void);
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads);
+int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int bf16, int out, float *y,
+                    int nthreads);
+int sf_combine(const float *parts, int g, int n, int out, const float *bias, float *y, long ldy, int nthreads);
 int sf_rmsnorm(const float *x, long ldx, int n, int d, const float *w, float eps, float *y, long ldy,
                int nthreads);
 int sf_silu_mul(const float *gu, long ldg, int n, int inter, float *out, long ldo, int nthreads);
@@ -39,7 +44,7 @@ int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const i
 int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, float *out);
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
-               float *gu, float *act, int nthreads);
+               float *gu, float *act, float *parts, int nthreads);
 int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
                      int n, float *out, long ldo);
 

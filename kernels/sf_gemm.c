@@ -125,12 +125,24 @@ static const tile_fn TILES[2][TILE_T + 1] = {{0, tf1, tf2, tf3, tf4, tf5, tf6}, 
 typedef struct {
     gemm_args a;
     int panels, chunks, per, isa; /* per: panels a task */
+    long blocks; /* token blocks */
+    long wpart; /* weight elements of one reduction part (sf_linear_parts) */
 } linear_job;
 
-/* Task: a block of BLOCK_T tokens x `per` panels. */
+/* Task: a block of BLOCK_T tokens x `per` panels (of one reduction part:
+ * part p reads x's columns [p K, (p + 1) K) and writes y + p n ldy). */
 static void linear_task(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
-    const gemm_args *a = &j->a;
+    long per_part = j->blocks * j->chunks, part = task / per_part;
+    gemm_args pa = j->a;
+    const gemm_args *a = &pa;
+    task %= per_part;
+    if (part) {
+        pa.x += part * pa.K;
+        pa.w = pa.bf16 ? (const void *)((const uint16_t *)pa.w + part * j->wpart)
+                       : (const void *)((const float *)pa.w + part * j->wpart);
+        pa.y += part * (long)pa.n * pa.ldy;
+    }
     float acc[BLOCK_T * PANEL];
     float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
     int b0 = (int)(task / j->chunks) * BLOCK_T, p0 = (int)(task % j->chunks) * j->per;
@@ -165,16 +177,69 @@ static void linear_task(const void *ctx, long task) {
     }
 }
 
+static int run_linear(linear_job *j, int parts, int nthreads) {
+    j->blocks = (j->a.n + BLOCK_T - 1) / BLOCK_T;
+    j->per = PANELS_PER_TASK;
+    while (parts * j->blocks * ((j->panels + j->per - 1) / j->per) > MAX_TASKS) j->per *= 2; /* the task field */
+    j->chunks = (j->panels + j->per - 1) / j->per;
+    sf_parallel(linear_task, j, parts * j->blocks * j->chunks, nthreads);
+    return 0;
+}
+
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
     if (K <= 0 || nthreads < 1) return -1;
     linear_job j = {{x, ldx, n, K, out, w, bf16, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
-                    sf_cpu_isa()};
-    long blocks = (n + BLOCK_T - 1) / BLOCK_T;
-    j.per = PANELS_PER_TASK;
-    while (blocks * ((j.panels + j.per - 1) / j.per) > MAX_TASKS) j.per *= 2; /* stay within the task field */
-    j.chunks = (j.panels + j.per - 1) / j.per;
-    sf_parallel(linear_task, &j, blocks * j.chunks, nthreads);
+                    sf_cpu_isa(), 0, 0};
+    return run_linear(&j, 1, nthreads);
+}
+
+/* The reduction split into `parts` fixed pieces of K inputs each: y[p] =
+ * x[:, p K:(p + 1) K] W_p.T, each piece's sums started from zero, W packed
+ * piece after piece. A tensor-parallel rank computes its pieces with this
+ * and every degree adds the same pieces in the same order (sf_combine), so
+ * a row-parallel layer's bits do not depend on how many ranks split it. */
+int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int bf16, int out, float *y,
+                    int nthreads) {
+    if (n <= 0 || out <= 0) return 0;
+    if (K <= 0 || parts < 1 || nthreads < 1) return -1;
+    linear_job j = {{x, ldx, n, K, out, w, bf16, NULL, y, out, 0}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, 0};
+    j.wpart = (long)j.panels * K * PANEL;
+    return run_linear(&j, parts, nthreads);
+}
+
+/* y[t, o] = y[t, o] + (((p_0 + p_1) + ...) + p_{g-1}) (+ bias[o]): the pieces
+ * of sf_linear_parts [g][n][out] in piece order, then the bias, then the
+ * residual; elementwise adds, so any vector width gives the same bits. */
+typedef struct {
+    const float *parts, *bias;
+    float *y;
+    long ldy;
+    int g, n, out, rows;
+} combine_job;
+
+static void combine_task(const void *ctx, long task) {
+    const combine_job *j = (const combine_job *)ctx;
+    long plane = (long)j->n * j->out;
+    for (long t = task * j->rows; t < j->n && t < (task + 1) * j->rows; t++) {
+        const float *p = j->parts + t * j->out;
+        float *y = j->y + t * j->ldy;
+        for (int o = 0; o < j->out; o++) {
+            float s = p[o];
+            for (int c = 1; c < j->g; c++) s = s + p[c * plane + o];
+            if (j->bias) s = s + j->bias[o];
+            y[o] = y[o] + s;
+        }
+    }
+}
+
+int sf_combine(const float *parts, int g, int n, int out, const float *bias, float *y, long ldy, int nthreads) {
+    if (n <= 0 || out <= 0) return 0;
+    if (g < 1 || nthreads < 1) return -1;
+    int rows = out >= 8192 ? 1 : 8192 / out;
+    combine_job j = {parts, bias, y, ldy, g, n, out, rows};
+    sf_parallel(combine_task, &j, (n + rows - 1) / rows, nthreads);
     return 0;
 }

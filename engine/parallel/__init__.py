@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model on several rank processes, the same bits at every degree."""

@@ -1,0 +1,178 @@
+"""Starting a tensor-parallel group: the leader in this process, the
+followers as processes of their own (spawned here, or by the daemon).
+
+Every rank gets a RankSpec: the checkpoint, its rank, how to meet the others
+(torch.distributed's init method; within a machine also a shared-memory
+segment the leader creates) and the pool's shape. Each rank reads only its
+shard of the weights (load_weights with a Shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from superfluid.engine.config import load_config
+from superfluid.engine.parallel.group import GlooGroup, Group, GroupFault, ShmGroup, init_gloo
+from superfluid.engine.parallel.sharding import Shard
+from superfluid.engine.parallel.tp_model import TpModel
+from superfluid.engine.weights import load_weights
+
+__all__ = ["TRANSPORTS", "RankSpec", "join_group", "load_shard", "load_tp", "spawn_followers"]
+
+TRANSPORTS = ("shm", "gloo")
+DEFAULT_TIMEOUT_S = 10.0  # a collective that waits longer: a rank died or stopped
+LOAD_TIMEOUT_S = 600.0  # every rank joined and loaded its shard
+SLOT_BYTES = 4 << 20
+
+
+@dataclasses.dataclass
+class RankSpec:
+    path: str
+    world: int
+    rank: int
+    init_method: str  # torch.distributed's: file://... or tcp://host:port
+    transport: str = "shm"
+    shm_path: str = ""
+    slot_bytes: int = SLOT_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    dtype: str = "float32"
+    max_seq_len: int | None = None
+    n_blocks: int = 0
+    page: int = 16
+    threads: int = 1
+    leader_pid: int = 0
+    plain_reduce: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def join_group(spec: RankSpec) -> Group:
+    """torch.distributed's gloo group (every transport: it carries the plain
+    all-reduce, and is the whole path across machines), and the transport."""
+    if spec.transport not in TRANSPORTS:
+        raise ValueError(f"--tp-transport {spec.transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    init_gloo(spec.init_method, spec.world, spec.rank, LOAD_TIMEOUT_S)
+    if spec.transport == "gloo":
+        return GlooGroup(spec.timeout_s)
+    from superfluid.kernels.comm import ShmComm
+
+    if spec.rank == 0:
+        comm = ShmComm.create(spec.shm_path, spec.world, spec.slot_bytes)
+        torch.distributed.barrier()  # the segment exists before anyone attaches
+    else:
+        torch.distributed.barrier()
+        comm = ShmComm.attach(spec.shm_path, spec.world, spec.rank, spec.slot_bytes, spec.timeout_s)
+    return ShmGroup(comm, spec.timeout_s)
+
+
+def load_shard(spec: RankSpec, group: Group) -> TpModel:
+    from superfluid.kernels import cpu
+
+    cpu.own_threads(spec.threads)
+    cfg = load_config(spec.path)
+    shard = Shard.plan(cfg, spec.world, spec.rank)
+    dtype = getattr(torch, spec.dtype)
+    weights = load_weights(spec.path, cfg, dtype=dtype, shard=shard)
+    return TpModel(cfg, weights, shard, group, dtype=dtype, max_seq_len=spec.max_seq_len,
+                   plain_reduce=spec.plain_reduce)
+
+
+def _pdeathsig() -> None:
+    """In the child: SIGKILL when the parent dies (no follower outlives its leader)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def spawn_followers(base: RankSpec) -> list[subprocess.Popen]:
+    """Ranks 1..world-1 as processes of this one, killed if it dies."""
+    procs = []
+    for r in range(1, base.world):
+        spec = dataclasses.replace(base, rank=r, leader_pid=os.getpid())
+        procs.append(subprocess.Popen([sys.executable, "-P", "-m", "superfluid.engine.parallel.rank", spec.to_json()],
+                                      stdout=subprocess.PIPE, preexec_fn=_pdeathsig))
+    return procs
+
+
+def wait_ready(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Every follower said "ready" (GroupFault naming the one that exited or
+    stayed silent instead)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = {p.stdout.fileno(): (r + 1, p) for r, p in enumerate(procs) if p.stdout is not None}
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GroupFault(f"tp rank(s) {sorted(r for r, _ in waiting.values())} not ready in {timeout_s:.0f} s")
+        ready, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
+        for fd in ready:
+            r, p = waiting.pop(fd)
+            line = p.stdout.readline() if p.stdout else b""
+            if line.strip() != b"ready":
+                p.wait(5)
+                raise GroupFault(f"tp rank {r} exited with status {p.returncode} while loading")
+
+
+def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
+            transport: str = "shm", threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+            plain_reduce: bool = False, **pool_options: Any):
+    """A TransformerRuntime whose model runs on `tp` ranks: this process the
+    leader, tp - 1 follower processes spawned here (closed with the runtime)."""
+    from superfluid.engine.parallel.ranks import LeaderModel
+    from superfluid.engine.transformer import DEFAULT_KV_CELLS, DEFAULT_PAGE, TransformerRuntime
+
+    cfg = load_config(path)
+    Shard.plan(cfg, tp, 0)  # refuse a degree the model does not split into, before any process starts
+    dtype = dtype or torch.float32
+    limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    n = min(max_seq_len or limit, limit)
+    page = pool_options.get("page", DEFAULT_PAGE)
+    n_blocks = -(-pool_options.get("kv_cells", DEFAULT_KV_CELLS) // page) + 1
+    rdzv = tempfile.mkdtemp(prefix="sf-tp-")
+    spec = RankSpec(path=os.fspath(path), world=tp, rank=0, init_method=f"file://{rdzv}/store", transport=transport,
+                    shm_path=f"/dev/shm/sf-tp-{os.getpid()}-{secrets.token_hex(4)}", timeout_s=timeout_s,
+                    dtype=str(dtype).removeprefix("torch."), max_seq_len=n, n_blocks=n_blocks, page=page,
+                    threads=threads, plain_reduce=plain_reduce)
+    procs = spawn_followers(spec)
+    try:
+        group = join_group(spec)
+        model = load_shard(spec, group)
+        wait_ready(procs, LOAD_TIMEOUT_S)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+
+    def close_group() -> None:
+        group.close()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for name in os.listdir(rdzv):
+            os.unlink(os.path.join(rdzv, name))
+        os.rmdir(rdzv)
+
+    from superfluid.engine.loader import _tokenizer
+
+    tokenizer_json, specials = _tokenizer(os.fspath(path))
+    leader = LeaderModel(model, close_group)
+    rt = TransformerRuntime(leader, specials=specials, tokenizer_json=tokenizer_json,  # type: ignore[arg-type]
+                            runtime_id=f"{cfg.arch}-torch", **pool_options)
+    rt.followers = procs  # type: ignore[attr-defined]
+    return rt

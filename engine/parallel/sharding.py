@@ -1,0 +1,112 @@
+"""Which part of a Llama-family model each tensor-parallel rank holds.
+
+Attention heads, the MLP's intermediate features and the vocabulary are
+split into contiguous ranges, one a rank. The layers that reduce over a
+split dimension (o_proj over heads, down_proj over intermediate features)
+always reduce in `parts` fixed pieces, at every degree, TP=1 included: a
+rank computes its pieces' sums from zero, every rank gets every piece, and
+each adds them in piece order (kernels/cpu.py combine). So a row's bits do
+not depend on the degree, as long as the degree divides `parts`. KV heads
+fewer than the degree are replicated: each rank holds the one its query
+heads read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from superfluid.engine.config import ModelConfig
+
+__all__ = ["MAX_PARTS", "MAX_TP", "Shard", "TpError", "reduction_parts", "vocab_ranges"]
+
+# The pieces a row-parallel layer reduces in: more pieces allow higher degrees
+# and cost TP=1 a little (pieces of fewer inputs, one more add each).
+MAX_PARTS = 8
+MAX_TP = MAX_PARTS
+# Vocabulary shards start on a multiple of this (the packed LM head's panel).
+_VOCAB_ALIGN = 16
+
+
+class TpError(ValueError):
+    """A degree this model cannot be split into (the message names --tp)."""
+
+
+def reduction_parts(cfg: ModelConfig) -> int:
+    """The pieces o_proj and down_proj reduce in for this model: the most, up to
+    MAX_PARTS, that split both the heads and the intermediate features evenly."""
+    g = MAX_PARTS
+    while cfg.num_heads % g or cfg.intermediate_size % g:
+        g //= 2
+    return g
+
+
+def vocab_ranges(vocab: int, world: int) -> list[range]:
+    """Contiguous vocabulary ranges, one a rank, aligned, the last one shorter."""
+    per = -(-vocab // world)
+    per = -(-per // _VOCAB_ALIGN) * _VOCAB_ALIGN
+    return [range(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(world)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `world`: its query heads, KV heads, intermediate
+    features, vocabulary rows, and its pieces of each row-parallel layer."""
+
+    rank: int
+    world: int
+    parts: int  # pieces at every degree
+    heads: range
+    kv_heads: range
+    inter: range
+    vocab: range
+
+    @property
+    def local_parts(self) -> int:
+        return self.parts // self.world
+
+    @classmethod
+    def plan(cls, cfg: ModelConfig, world: int, rank: int = 0) -> Shard:
+        """Rank `rank`'s shard at degree `world`; TpError if the model does not split so."""
+        if not 1 <= world <= MAX_TP:
+            raise TpError(f"--tp {world}: the degree must be 1..{MAX_TP}")
+        if not 0 <= rank < world:
+            raise TpError(f"rank {rank} outside a group of {world}")
+        nh, nkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        parts = reduction_parts(cfg)
+        if parts % world:
+            raise TpError(f"--tp {world}: {cfg.arch}'s {nh} attention heads and {inter} intermediate features "
+                          f"split evenly into at most {parts} pieces; the degree must divide {parts}")
+        per_h = nh // world
+        heads = range(rank * per_h, (rank + 1) * per_h)
+        if nkv % world == 0:
+            per_kv = nkv // world
+            kv_heads = range(rank * per_kv, (rank + 1) * per_kv)
+        elif world % nkv == 0:
+            group = nh // nkv  # query heads a KV head serves; a rank's heads lie within one group
+            kv_heads = range(heads.start // group, heads.start // group + 1)
+        else:
+            raise TpError(f"--tp {world}: {cfg.arch}'s {nkv} KV heads neither split evenly into {world} ranks nor "
+                          f"replicate evenly over them")
+        per_i = inter // world
+        return cls(rank, world, parts, heads, kv_heads, range(rank * per_i, (rank + 1) * per_i),
+                   vocab_ranges(cfg.vocab_size, world)[rank])
+
+    def rows_of(self, name: str, cfg: ModelConfig) -> tuple[str, range] | None:
+        """How the HF tensor `name` is cut for this rank: ("rows" | "cols", the
+        range), or None when every rank holds it whole."""
+        hd = cfg.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return "rows", self.vocab
+        leaf = name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"]
+        proj = leaf[0]
+        if proj == "q_proj":
+            return "rows", range(self.heads.start * hd, self.heads.stop * hd)
+        if proj in ("k_proj", "v_proj"):
+            return "rows", range(self.kv_heads.start * hd, self.kv_heads.stop * hd)
+        if proj in ("gate_proj", "up_proj"):
+            return "rows", self.inter
+        if leaf == ["o_proj", "weight"]:
+            return "cols", range(self.heads.start * hd, self.heads.stop * hd)
+        if leaf == ["down_proj", "weight"]:
+            return "cols", self.inter
+        return None  # norms, o/down biases (added once, after the pieces)
