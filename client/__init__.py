@@ -8,6 +8,7 @@ if __name__ != "superfluid.client":  # imported by its bare name from a checkout
 
 from superfluid.client.builder import PlanBuilder, read_events, sampling_params
 from superfluid.client.client import Client
+from superfluid.client.describe import Parallel
 from superfluid.client.planner import (
                                       GPU_GREEDY,
                                       GPU_SAMPLE,
@@ -33,6 +34,7 @@ __all__ = [
                                       "ClientError",
                                       "ClientTimeout",
                                       "DaemonGone",
+                                      "Parallel",
                                       "PlanBuilder",
                                       "Planner",
                                       "PlannerError",

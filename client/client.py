@@ -43,6 +43,7 @@ from superfluid.abi.records import (
     WorkerNotice,
 )
 from superfluid.client.builder import PlanBuilder
+from superfluid.client.describe import Parallel, parallel_of
 from superfluid.client.session import (
     ClientError,
     ClientTimeout,
@@ -424,11 +425,16 @@ class Client:
             body = msgpack.unpackb(done.payload, raw=False, strict_map_key=False) if done.payload else {}
             if done.status != OpStatus.OK:
                 raise ClientError(f"DESCRIBE failed: {OpStatus(done.status).name}: {body.get('error', '')}")
+            parallel_of(body)  # a bad layout fails here, not in whoever reads it
             self._describe = body
         return self._describe
 
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.describe()["eos"])
+
+    def parallel(self, timeout: float | None = None) -> Parallel:
+        """DESCRIBE's `parallel`: the worker's tp degree and node count."""
+        return parallel_of(self.describe(timeout))
 
     # ----------------------------------------------------------------- rings
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from superfluid.abi.records import LaneCommit, LaneEmit, OpCompletion, PartialEmit, RingRef, TickEvents, TickPlan
 from superfluid.client.builder import PlanBuilder
+from superfluid.client.describe import Parallel, parallel_of
 from superfluid.executor import Executor
 
 
@@ -40,9 +41,15 @@ class LocalClient:
 
     def describe(self, timeout: float | None = None) -> dict[str, Any]:
         if self._describe is None:
-            self._describe = msgpack.unpackb(self.ex.op({"op": "DESCRIBE", "op_id": 0}).payload, raw=False,
-                                             strict_map_key=False)
+            body = msgpack.unpackb(self.ex.op({"op": "DESCRIBE", "op_id": 0}).payload, raw=False,
+                                   strict_map_key=False)
+            parallel_of(body)
+            self._describe = body
         return self._describe
+
+    def parallel(self, timeout: float | None = None) -> Parallel:
+        """DESCRIBE's `parallel`: the worker's tp degree and node count."""
+        return parallel_of(self.describe(timeout))
 
     def new_lane_tag(self) -> int:
         return next(self._lane_tags)

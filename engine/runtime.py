@@ -79,6 +79,11 @@ class RuntimeDescription:
     engine_draws: bool = False
     verify_batches: bool = False
     exact_only: bool = False
+    # The worker's parallel layout (DESCRIBE's `parallel`; not in the RuntimeDesc
+    # record, so from_record leaves them 1): tp rank processes run the model, on
+    # nnodes machines. A lane's rows do not depend on them.
+    tp: int = 1
+    nnodes: int = 1
 
     _FLAGS = (
         ("truncate_partial", RuntimeFlag.TRUNCATE_PARTIAL),
@@ -89,6 +94,15 @@ class RuntimeDescription:
         ("verify_batches", RuntimeFlag.VERIFY_BATCHES),
         ("exact_only", RuntimeFlag.EXACT_ONLY),
     )
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"RuntimeDescription.{name} must be an int >= 1, got {v!r}")
+        if self.nnodes > self.tp:
+            raise ValueError(f"RuntimeDescription.nnodes ({self.nnodes}) exceeds tp ({self.tp}): "
+                             "every machine runs at least one rank")
 
     def to_record(self) -> RuntimeDesc:
         flags = 0

@@ -94,6 +94,7 @@ def _describe(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
             "engine_sampling": d.engine_sampling, "engine_draws": d.engine_draws,
             "verify_batches": d.verify_batches, "exact_only": d.exact_only,
         },
+        "parallel": {"tp": d.tp, "nnodes": d.nnodes},
         "eos": sorted(voc.eos), "specials": dict(voc.specials),
         "fault_injection": ex.fault_injection,
     }

@@ -66,7 +66,8 @@ func TestConnectionAgainstALiveDaemon(t *testing.T) {
 			t.Fatal(err)
 		}
 		if desc.AbiVersion != sf.SF_ABI_VERSION || desc.Runtime.RuntimeID != "fake" || desc.WorkerEpoch != c.Epoch ||
-			desc.Runtime.VocabSize == 0 || !desc.FaultInjection || len(desc.Eos) == 0 {
+			desc.Runtime.VocabSize == 0 || !desc.FaultInjection || len(desc.Eos) == 0 ||
+			desc.Parallel != (sf.Parallel{TP: 1, NNodes: 1}) {
 			t.Fatalf("describe: %+v", desc)
 		}
 		done, err := c.Op("NO_SUCH_OP", nil, T)

@@ -84,6 +84,29 @@ type Describe struct {
 	Eos            []uint32       `codec:"eos"`
 	Specials       map[string]any `codec:"specials"`
 	FaultInjection bool           `codec:"fault_injection"`
+	Parallel       Parallel       `codec:"parallel"`
+}
+
+// Parallel is DESCRIBE's parallel: TP rank processes (the tensor-parallel
+// degree) run the worker's model on NNodes machines. The planner sees one
+// worker at every degree. An older worker sends none: {1, 1}.
+type Parallel struct {
+	TP     uint32 `codec:"tp"`
+	NNodes uint32 `codec:"nnodes"`
+}
+
+// DecodeDescribe decodes a DESCRIBE payload: parallel defaults to {1, 1}
+// key by key; a value below 1, or more nodes than ranks, is a *BoundsError.
+func DecodeDescribe(payload []byte) (*Describe, error) {
+	d := Describe{Parallel: Parallel{TP: 1, NNodes: 1}} // the decoder leaves absent keys as they are
+	if err := unpack(payload, &d); err != nil {
+		return nil, &BoundsError{fmt.Sprintf("DESCRIBE payload: %v", err)}
+	}
+	if p := d.Parallel; p.TP < 1 || p.NNodes < 1 || p.NNodes > p.TP {
+		return nil, &BoundsError{fmt.Sprintf("DESCRIBE payload: parallel.tp %d and parallel.nnodes %d "+
+			"(each >= 1, nnodes <= tp)", p.TP, p.NNodes)}
+	}
+	return &d, nil
 }
 
 type RuntimeInfo struct {
@@ -106,11 +129,15 @@ type RuntimeInfo struct {
 // Describe: op DESCRIBE, kept until the worker changes.
 func (c *Conn) Describe(timeout time.Duration) (*Describe, error) {
 	if c.desc == nil {
-		var d Describe
-		if _, err := c.opOK("DESCRIBE", nil, &d, timeout); err != nil {
+		done, err := c.opOK("DESCRIBE", nil, nil, timeout)
+		if err != nil {
 			return nil, err
 		}
-		c.desc = &d
+		d, err := DecodeDescribe(done.Payload)
+		if err != nil {
+			return nil, err
+		}
+		c.desc = d
 	}
 	return c.desc, nil
 }

@@ -192,7 +192,11 @@ extern "C" {
  *    runtime: {runtime_id: str (whole: RuntimeDesc.runtime_id holds its first 32 bytes),
  *      vocab_size, max_seq_len, max_batch, max_seqs, page, prefill_step_tokens: ints as in
  *      RuntimeDesc; truncate_partial, copy_shares_cells, takeover_preferred, engine_sampling,
- *      engine_draws, verify_batches, exact_only: bools, the SF_RT_* bits}}.
+ *      engine_draws, verify_batches, exact_only: bools, the SF_RT_* bits},
+ *    parallel: {tp: int >= 1 (tensor-parallel degree: the rank processes that run the worker's
+ *      model), nnodes: int >= 1, <= tp (the machines they span)}}. Not in RuntimeDesc; a client
+ *      reads an absent parallel (an older worker) as {tp: 1, nnodes: 1}. The planner sees one
+ *      worker at every degree: a lane's rows do not depend on tp (nor its tokens, nor any record).
  *   EOS: a GPU_GREEDY / GPU_SAMPLE lane that samples an eos id emits it as its last token and
  *   finishes (SF_FINISH_EOS) unless SF_PARAM_IGNORE_EOS. A HOST lane never finishes on EOS: the
  *   planner that commits an eos id ends the lane itself. Eos and specials ids are exempt from the

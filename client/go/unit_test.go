@@ -2,11 +2,14 @@ package superfluid_test
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"unsafe"
 
+	"github.com/ugorji/go/codec"
 	sf "superfluid"
 )
 
@@ -83,5 +86,59 @@ func TestStatusNames(t *testing.T) {
 	e := &sf.RejectError{PlanSeq: 3, Status: sf.SF_STATUS_NeedsReplan, Message: "m"}
 	if e.Name() != "NeedsReplan" || e.Error() != "plan 3 rejected: NeedsReplan: m" {
 		t.Error(e)
+	}
+}
+
+// A DESCRIBE payload as a worker packs it (Python's msgpack: str8, bin).
+func describePayload(t *testing.T, parallel any) []byte {
+	t.Helper()
+	body := map[string]any{
+		"abi_version": sf.SF_ABI_VERSION, "worker_epoch": 3, "fault_injection": false, "eos": []uint32{511},
+		"specials": map[string]any{"</s>": 511},
+		"runtime": map[string]any{"runtime_id": "fake", "vocab_size": 512, "max_seq_len": 256, "max_batch": 64,
+			"max_seqs": 0, "page": 16, "prefill_step_tokens": 0, "truncate_partial": true, "copy_shares_cells": true,
+			"takeover_preferred": false, "engine_sampling": false, "engine_draws": false, "verify_batches": true,
+			"exact_only": false},
+	}
+	if parallel != nil {
+		body["parallel"] = parallel
+	}
+	var b []byte
+	if err := codec.NewEncoderBytes(&b, &codec.MsgpackHandle{WriteExt: true}).Encode(body); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// parallel is decoded, {1, 1} when an older worker sends none (key by key).
+func TestDescribeDecodesTheParallelLayout(t *testing.T) {
+	for _, c := range []struct {
+		parallel any
+		want     sf.Parallel
+	}{
+		{map[string]any{"tp": 4, "nnodes": 2}, sf.Parallel{TP: 4, NNodes: 2}},
+		{nil, sf.Parallel{TP: 1, NNodes: 1}},
+		{map[string]any{"tp": 2}, sf.Parallel{TP: 2, NNodes: 1}},
+	} {
+		d, err := sf.DecodeDescribe(describePayload(t, c.parallel))
+		if err != nil {
+			t.Fatalf("%v: %v", c.parallel, err)
+		}
+		if d.Parallel != c.want || d.Runtime.VocabSize != 512 || len(d.Eos) != 1 || d.Eos[0] != 511 {
+			t.Fatalf("%v: %+v", c.parallel, d)
+		}
+	}
+}
+
+// A layout below 1, or more machines than ranks, is refused.
+func TestDescribeRefusesABadLayout(t *testing.T) {
+	for _, bad := range []map[string]any{
+		{"tp": 0, "nnodes": 1}, {"tp": 2, "nnodes": 0}, {"tp": 1, "nnodes": 2}, {"tp": -1, "nnodes": 1},
+	} {
+		d, err := sf.DecodeDescribe(describePayload(t, bad))
+		var be *sf.BoundsError
+		if err == nil || !errors.As(err, &be) || !strings.Contains(err.Error(), "DESCRIBE payload") {
+			t.Fatalf("%v: %+v, %v", bad, d, err)
+		}
 	}
 }

@@ -26,6 +26,7 @@ machine, runtime_harness.py what they share, paged_pool.py the pool model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -76,7 +77,9 @@ def check_description(f: RuntimeFactory) -> None:
         assert d.max_seqs >= 0 and d.prefill_step_tokens >= 0
         assert not (d.exact_only and d.truncate_partial), "a recurrent state cannot be cut back"
         assert d.engine_sampling or not d.engine_draws, "draws are a kind of engine sampling"
-        assert RuntimeDescription.from_record(d.to_record()) == d
+        assert d.tp >= 1 and 1 <= d.nnodes <= d.tp, "parallel: tp >= 1 ranks on 1..tp machines"
+        # The record holds no layout: it comes back as one rank on one machine.
+        assert RuntimeDescription.from_record(d.to_record()) == dataclasses.replace(d, tp=1, nnodes=1)
         m = rt.mem_counters()
         assert (m.cells_used, m.seqs) == (0, 0)
         assert m.cells_total == 0 or m.cells_total >= d.page

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from superfluid.abi import Finish, OpStatus, PlanFlag, Sampling, Status
-from superfluid.client import Client, ClientTimeout, PlanBuilder, WorkerRestarted
+from superfluid.client import Client, ClientTimeout, Parallel, PlanBuilder, WorkerRestarted
 
 
 def test_connect_describe_and_a_tick(fake_worker):
@@ -21,6 +21,7 @@ def test_connect_describe_and_a_tick(fake_worker):
         d = c.describe()
         assert d["runtime"]["vocab_size"] == 512 and d["worker_epoch"] == c.epoch and d["eos"] == [511]
         assert c.eos_ids() == {511}
+        assert d["parallel"] == {"tp": 1, "nnodes": 1} and c.parallel() == Parallel(tp=1, nnodes=1)
         prompt = c.write_prompt([1, 2, 3, 4, 5])
         tag = c.new_lane_tag()
         ev = c.tick(PlanBuilder(0, prefill_token_budget=64).admit(tag, prompt).prefill(tag, 0, 5)

@@ -6,6 +6,7 @@ ops, malformed payloads, and the ops of later issues (Unsupported)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgpack
@@ -67,6 +68,24 @@ def test_describe():
     assert body["eos"] == [3, 49]
     assert body["specials"] == dict(rt.vocabulary().specials)
     assert set(body["specials"].values()) >= {3, 49}
+    assert body["parallel"] == {"tp": 1, "nnodes": 1}  # one process: the fake's default layout
+
+
+@pytest.mark.parametrize(("tp", "nnodes"), [(2, 1), (8, 2)])
+def test_describe_reports_the_runtimes_parallel_layout(tp, nnodes):
+    rt = fake()
+    rt.desc = dataclasses.replace(rt.desc, tp=tp, nnodes=nnodes)  # as a tensor-parallel runtime states it
+    body = msgpack.unpackb(op(make_executor(rt), op="DESCRIBE").payload)
+    assert body["parallel"] == {"tp": tp, "nnodes": nnodes}
+    # The layout is not in the record: the rest of the description is the one-rank one's.
+    assert body["runtime"] == msgpack.unpackb(op(make_executor(fake()), op="DESCRIBE").payload)["runtime"]
+
+
+@pytest.mark.parametrize(("tp", "nnodes", "field"), [(0, 1, "tp"), (2, 0, "nnodes"), (1, 2, "nnodes"),
+                                                     (True, 1, "tp"), (2.0, 1, "tp")])
+def test_a_description_refuses_a_bad_layout(tp, nnodes, field):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(fake().desc, tp=tp, nnodes=nnodes)
 
 
 def test_describe_by_code_and_by_bytes(ex):

@@ -24,7 +24,7 @@ pub const ABI_VERSION: u32 = 2;
 const _: () = assert!(abi::SF_ABI_VERSION == ABI_VERSION, "written for another SF_ABI_VERSION: port it to abi/superfluid.h");
 pub use events::{Completion, Error, Events, Message, Shed};
 pub use grammars::{Grammar, GrammarBook};
-pub use ops::{Describe, HeldLane, RuntimeInfo, Seed};
+pub use ops::{Describe, HeldLane, Parallel, RuntimeInfo, Seed};
 pub use plan::{params, Admit, LogitsRow, Plan};
 pub use planner::{Finish, HostSampler, Options, Planner, Request, RequestSpec, Stats};
 pub use seeds::SeedBook;

@@ -33,6 +33,50 @@ pub struct Describe {
     pub worker_epoch: u64,
     pub eos: Vec<u32>,
     pub runtime: RuntimeInfo,
+    /// Absent (an older worker): one rank on one machine.
+    #[serde(default)]
+    pub parallel: Parallel,
+}
+
+/// DESCRIBE's `parallel`: `tp` rank processes (the tensor-parallel degree)
+/// run the worker's model on `nnodes` machines. The planner sees one worker
+/// at every degree; a value below 1, or more machines than ranks, is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "ParallelPayload")]
+pub struct Parallel {
+    pub tp: u32,
+    pub nnodes: u32,
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Parallel { tp: 1, nnodes: 1 }
+    }
+}
+
+#[derive(Deserialize)]
+struct ParallelPayload {
+    #[serde(default = "one")]
+    tp: u32,
+    #[serde(default = "one")]
+    nnodes: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl TryFrom<ParallelPayload> for Parallel {
+    type Error = String;
+    fn try_from(p: ParallelPayload) -> Result<Self, String> {
+        if p.tp < 1 || p.nnodes < 1 {
+            return Err(format!("parallel.tp {} and parallel.nnodes {} must be >= 1", p.tp, p.nnodes));
+        }
+        if p.nnodes > p.tp {
+            return Err(format!("parallel.nnodes {} exceeds tp {}", p.nnodes, p.tp));
+        }
+        Ok(Parallel { tp: p.tp, nnodes: p.nnodes })
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -251,5 +295,51 @@ impl Connection {
     /// CACHE_CLEAR: drop every prefix-cache entry; the bytes freed.
     pub fn cache_clear(&mut self, timeout: Duration) -> Result<u64, Error> {
         Ok(self.op("CACHE_CLEAR", &none(), timeout)?.ok("CACHE_CLEAR")?.value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn describe_payload(parallel: Option<serde_json::Value>) -> Vec<u8> {
+        let mut body = json!({
+            "abi_version": SF_ABI_VERSION, "worker_epoch": 3, "fault_injection": false, "eos": [511],
+            "specials": {"</s>": 511},
+            "runtime": {"runtime_id": "fake", "vocab_size": 512, "max_seq_len": 256, "max_batch": 64,
+                        "max_seqs": 0, "page": 16, "prefill_step_tokens": 0, "truncate_partial": true,
+                        "copy_shares_cells": true, "takeover_preferred": false, "engine_sampling": false,
+                        "engine_draws": false, "verify_batches": true, "exact_only": false},
+        });
+        if let Some(p) = parallel {
+            body["parallel"] = p;
+        }
+        rmp_serde::to_vec_named(&body).unwrap()
+    }
+
+    fn decode(parallel: Option<serde_json::Value>) -> Result<Describe, rmp_serde::decode::Error> {
+        rmp_serde::from_slice(&describe_payload(parallel))
+    }
+
+    #[test]
+    fn describe_decodes_the_parallel_layout_and_defaults_it() {
+        let d = decode(Some(json!({"tp": 4, "nnodes": 2}))).unwrap();
+        assert_eq!((d.parallel.tp, d.parallel.nnodes), (4, 2));
+        assert_eq!((d.runtime.vocab_size, d.eos.as_slice()), (512, &[511][..]));
+        // An older worker sends no parallel: one rank on one machine.
+        assert_eq!(decode(None).unwrap().parallel, Parallel { tp: 1, nnodes: 1 });
+        assert_eq!(decode(Some(json!({"tp": 2}))).unwrap().parallel, Parallel { tp: 2, nnodes: 1 });
+    }
+
+    #[test]
+    fn describe_refuses_a_layout_below_one_or_more_machines_than_ranks() {
+        for (bad, says) in [(json!({"tp": 0, "nnodes": 1}), "parallel.tp 0"),
+                            (json!({"tp": 2, "nnodes": 0}), "parallel.nnodes 0"),
+                            (json!({"tp": 1, "nnodes": 2}), "exceeds tp"),
+                            (json!({"tp": -1, "nnodes": 1}), "")] {
+            let err = decode(Some(bad.clone())).expect_err(&format!("{bad} decoded"));
+            assert!(err.to_string().contains(says), "{bad}: {err}");
+        }
     }
 }

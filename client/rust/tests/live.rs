@@ -21,6 +21,7 @@ fn a_rust_planner_gets_the_python_clients_tokens() {
         let desc = c.describe(Duration::from_secs(30)).unwrap();
         assert_eq!((desc.abi_version, desc.runtime.runtime_id.as_str()), (SF_ABI_VERSION, "fake"));
         assert!(desc.runtime.vocab_size > 0 && desc.worker_epoch == c.epoch());
+        assert_eq!((desc.parallel.tp, desc.parallel.nnodes), (1, 1)); // the fake: one process
         let bad = c.op("NO_SUCH_OP", &std::collections::HashMap::<String, u8>::new(), Duration::from_secs(30)).unwrap();
         assert_eq!(bad.status, SF_OPST_UnknownOp);
         assert_eq!(superfluid::names::op_status(bad.status), "UnknownOp");
