@@ -114,6 +114,11 @@ def check(args: argparse.Namespace, machine: Machine | None = None) -> Checked:
     if args.host_cache_bytes > machine.ram_bytes:
         raise Refused(f"--host-cache-bytes {args.host_cache_bytes}: more than this machine's memory "
                       f"({size(machine.ram_bytes)})")
+    if args.fake and args.tp > 1:
+        raise Refused(f"--tp {args.tp}: the fake runtime runs on one process")
+    if args.workers * args.tp > OVERSUBSCRIBED * machine.cores:
+        raise Refused(f"--tp {args.tp}: {args.workers} worker(s) of {args.tp} rank processes each, more than "
+                      f"{OVERSUBSCRIBED} per core of the {machine.cores} this machine gives the daemon")
     vocab = args.fake_vocab
     if not args.fake:
         vocab = _check_model(args, machine)

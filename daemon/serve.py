@@ -135,7 +135,8 @@ def main(args: argparse.Namespace) -> int:
                 segment_config=segment_config_for(ok.vocab, args.max_batch),
                 fault_injection=args.fault_injection,
                 restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
-                crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port)
+                crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port,
+                tp=args.tp)
             daemon.start()
         except (SegmentError, ValueError) as e:  # e.g. --name of a daemon that runs: refused, as options are
             print(f"superfluid serve: {e}", file=sys.stderr)

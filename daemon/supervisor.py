@@ -53,6 +53,7 @@ from .metrics import WorkerMetrics
 from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
 from .status import worker_snapshot
+from .tp_ranks import Rank, TpRanks
 from .worker import EXIT_UNSERVABLE
 from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, short_exit
 
@@ -94,6 +95,7 @@ class _Worker:
     restarts: int = 0
     control: socket.socket | None = None  # the daemon's end of the worker's command channel
     metrics: Any = None  # the WorkerMetrics block this slot's workers record into
+    ranks: TpRanks | None = None  # --tp > 1: the leader's followers
 
 
 class Daemon:
@@ -112,7 +114,7 @@ class Daemon:
                  crash_loop: tuple[int, float] = (5, 60.0), stop_timeout: float = 10.0,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  handle_signals: bool = True, python: str = sys.executable,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, tp: int = 1):
         segment_path(name, max(0, workers - 1))  # a bad name or count fails here, before anything is made
         if workers < 1:
             raise ValueError(f"workers = {workers}: must be >= 1")
@@ -120,7 +122,10 @@ class Daemon:
             raise ValueError(f"crash_loop = {crash_loop}: needs >= 1 failure in a positive window")
         if restart_backoff < 0 or restart_backoff_max < 0 or stop_timeout < 0:
             raise ValueError("restart_backoff, restart_backoff_max and stop_timeout must be >= 0")
+        if tp < 1:
+            raise ValueError(f"tp = {tp}: must be >= 1")
         self.name = name
+        self.tp = tp  # rank processes a worker's group has (worker_args carry --tp for them)
         self.n_workers = workers
         self.worker_args = list(worker_args)
         self.segment_config = segment_config or SegmentConfig()
@@ -184,7 +189,11 @@ class Daemon:
                     return
                 seg = Segment.create(self.name, i, self.segment_config, replace=True)
                 seg.header.fault_injection = int(self.fault_injection)
-                self._workers.append(_Worker(i, seg, metrics=WorkerMetrics.create(f"{self.name}.{i}")))
+                w = _Worker(i, seg, metrics=WorkerMetrics.create(f"{self.name}.{i}"))
+                if self.tp > 1:
+                    w.ranks = TpRanks(seg.path, self.tp, self.worker_args, self.python, self.env)
+                    w.ranks.clean()  # what a SIGKILLed daemon's group left
+                self._workers.append(w)
             remove_stale_segments(self.name, self.n_workers)
             log.info("daemon %s (pid %d): %d worker(s), segments in %s, logits ring %d floats",
                      self.name, os.getpid(), self.n_workers, os.path.dirname(self._workers[0].seg.path),
@@ -257,6 +266,8 @@ class Daemon:
         for w in self._loop.select(timeout):
             if w is None:
                 self._read_wakeups()
+            elif isinstance(w, Rank):
+                self._rank_exited(w)
             else:
                 self._reap(w)
         if self._stop_requested and not self._stopping:
@@ -321,6 +332,8 @@ class Daemon:
         cmd = self.worker_command(w.index, seg.path, w.epoch) + [
             "--control-fd", str(fds[0]), "--metrics-fd", str(fds[1]),
             "--segment-config", self.segment_config.to_json()]
+        if w.ranks is not None:
+            cmd += w.ranks.leader_args(w.epoch)
         w.ready = False
         w.started = time.monotonic()
         try:
@@ -347,6 +360,38 @@ class Daemon:
         assert self._loop is not None
         self._loop.watch(pidfd, w)
         log.info("worker %d started: pid %d, epoch %d", w.index, proc.pid, w.epoch)
+        if w.ranks is not None:
+            try:
+                for rank in w.ranks.start(w, proc.pid):
+                    self._loop.watch(rank.pidfd, rank)
+            except (OSError, subprocess.SubprocessError) as e:  # the leader alone cannot serve: restart the group
+                log.error("worker %d: cannot start its tp ranks: %s", w.index, e)
+                proc.kill()
+
+    def _rank_exited(self, rank: Rank) -> None:
+        """A follower ended: the group it belongs to cannot go on (fail-stop),
+        so its leader is killed, and the leader's exit restarts the group."""
+        w = rank.worker
+        assert self._loop is not None and w.ranks is not None
+        self._loop.unwatch(rank.pidfd)
+        pid = rank.proc.pid
+        status = w.ranks.reaped(rank)
+        if self._stopping or rank.epoch != w.epoch or w.proc is None:
+            log.info("worker %d: tp rank %d (pid %d) %s", w.index, rank.rank, pid, describe_exit(status))
+            return
+        log.warning("worker %d: tp rank %d (pid %d, epoch %d) %s: restarting the group", w.index, rank.rank, pid,
+                    rank.epoch, describe_exit(status))
+        w.proc.kill()
+
+    def _end_group(self, w: _Worker) -> None:
+        """The leader is gone: its followers too (killed if still there), and their meeting files."""
+        if w.ranks is None:
+            return
+        assert self._loop is not None
+        for rank in w.ranks.live:
+            self._loop.unwatch(rank.pidfd)
+        w.ranks.kill()
+        w.ranks.clean()
 
     def _check_ready(self) -> None:
         for w in self._workers:
@@ -378,6 +423,7 @@ class Daemon:
             return  # reaped earlier in this round (killed after a second SIGTERM)
         pid = w.proc.pid
         status = self._unwatch(w)
+        self._end_group(w)
         lived = time.monotonic() - w.started
         if self._stopping:
             log.info("worker %d (pid %d) %s", w.index, pid, "stopped" if status == 0 else describe_exit(status))
@@ -490,6 +536,8 @@ class Daemon:
                     continue
                 self._unwatch(w)
                 log.info("worker %d (pid %d) killed", w.index, pid)
+        for w in self._workers:
+            self._end_group(w)
 
     def _shutdown(self, *, kill_now: bool) -> None:
         """Release everything: workers (killed), metrics, segments (unlinked), fds."""
@@ -506,6 +554,7 @@ class Daemon:
             self._metrics.close()  # before the segments and blocks it reads are unmapped
             self._metrics = None
         for w in self._workers:
+            self._end_group(w)
             if w.control is not None:
                 w.control.close()
                 w.control = None

@@ -37,6 +37,8 @@ EXIT_UNSERVABLE = 4  # the model or the options can never be served here: a rest
 def build_runtime(args: argparse.Namespace):
     """The runtime a worker serves: a checkpoint, the embedded tiny model, or the fake."""
     if args.fake:
+        if args.tp > 1:
+            raise ValueError(f"--tp {args.tp}: the fake runtime runs on one process")
         from superfluid.engine.fake import FakeRuntime
 
         return FakeRuntime(vocab_size=args.fake_vocab, max_seq_len=args.max_seq_len or 4096,
@@ -73,10 +75,17 @@ def runtime_options(args: argparse.Namespace, model: str) -> dict:
                   max_seq_len=args.max_seq_len or None)
     dtype = getattr(args, "dtype", None) or "auto"
     state_bytes = getattr(args, "state_bytes", 0)
+    tp = getattr(args, "tp", 1)
     if model_type(model) != MAMBA2:
         if state_bytes:
             raise ValueError("--state-bytes sizes a Mamba2 state pool; this model's KV pool is sized by --kv-cells")
-        return dict(common, kv_cells=args.kv_cells or 16384, page=args.page, dtype=_DTYPES[dtype])
+        out = dict(common, kv_cells=args.kv_cells or 16384, page=args.page, dtype=_DTYPES[dtype])
+        if tp > 1:
+            out.update(tp=tp, tp_options=tp_options(args))
+        return out
+    if tp > 1:
+        raise ValueError(f"--tp {tp}: the Mamba2 runtime runs on one process (tensor parallelism is for "
+                         f"Llama-family models)")
     if dtype not in ("auto", "fp32"):
         raise ValueError(f"--dtype {dtype}: the Mamba2 runtime computes in float32 only "
                          "(use --dtype fp32, or auto, which is fp32 for it)")
@@ -92,6 +101,18 @@ def runtime_options(args: argparse.Namespace, model: str) -> dict:
             raise ValueError(f"--state-bytes {state_bytes}: less than one sequence's state ({slot} bytes)")
     # None: the runtime's default, one slot per --max-seqs sequence (64 when that is 0).
     return dict(common, state_bytes=state_bytes or None)
+
+
+def tp_options(args: argparse.Namespace) -> dict:
+    """load()'s tp_options: the transport, the collective timeout, each rank's
+    threads (--threads, default the cores shared out), and where the daemon's
+    ranks meet (--tp-init, --tp-shm: given to the leader and the followers)."""
+    out = dict(transport=args.tp_transport, timeout_s=args.tp_timeout,
+               threads=args.threads or max(1, len(os.sched_getaffinity(0)) // args.tp))
+    init = getattr(args, "tp_init", None)
+    if init:
+        out["join"] = (init, getattr(args, "tp_shm", "") or "")
+    return out
 
 
 _PAGE_DEFAULT = 16
@@ -114,6 +135,16 @@ def _at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{s}: must be <= {hi}")
         return v
     return parse
+
+
+def _positive_seconds(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected seconds") from None
+    if not 0 < v <= 86400:
+        raise argparse.ArgumentTypeError(f"{s}: must be in (0, 86400] seconds")
+    return v
 
 
 def _bytes_or_auto(s: str) -> int | str:
@@ -157,6 +188,15 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir-bytes", type=_at_least(0), default=0,
                    help="what exports may keep in the state directory (default: half of what it holds and its "
                         "file system has free when a worker starts)")
+    p.add_argument("--tp", type=_at_least(1, 64), default=1,
+                   help="tensor-parallel degree: the model runs on this many rank processes, with the same bits "
+                        "as on one (a Llama-family model on the CPU kernels; the degree must divide its pieces)")
+    p.add_argument("--tp-transport", choices=("shm", "gloo"), default="shm",
+                   help="how a machine's ranks exchange a step's tensors: shared memory (default) or "
+                        "torch.distributed's gloo (the reference; always across machines)")
+    p.add_argument("--tp-timeout", type=_positive_seconds, default=10.0,
+                   help="seconds a rank waits for the others in a collective before the group is restarted "
+                        "(a rank died or stopped; default 10)")
     p.add_argument("--threads", type=_at_least(0), default=0,
                    help="threads per worker (default: torch's choice): a transformer on the CPU runs our "
                         "kernels on them and torch's own ops on one; else torch's. Keep workers x threads at or "
@@ -226,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--metrics-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--segment-config", help=argparse.SUPPRESS)
+    p.add_argument("--tp-init", help=argparse.SUPPRESS)  # where the daemon's TP ranks meet
+    p.add_argument("--tp-shm", help=argparse.SUPPRESS)
     add_runtime_args(p)
     args = p.parse_args(argv)
 

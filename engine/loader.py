@@ -11,10 +11,11 @@ import torch
 from superfluid.engine.checkpoint import model_type, raw_config, read_text
 from superfluid.engine.config import load_config
 from superfluid.engine.model import Model
+from superfluid.engine.parallel.sharding import TpError
 from superfluid.engine.runtime import Runtime
 from superfluid.engine.transformer import TransformerRuntime
 from superfluid.engine.weights import load_weights
-from superfluid.kernels.backend import get_backend
+from superfluid.kernels.backend import cpu_kernels_in_use, get_backend
 
 
 def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
@@ -30,21 +31,33 @@ def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
 
 def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None = None,
          dtype: torch.dtype | str | None = None, invariant: bool = True, max_seq_len: int | None = None,
-         **pool_options) -> Runtime:
+         tp: int = 1, tp_options: dict | None = None, **pool_options) -> Runtime:
     """Load a checkpoint (config.json + *.safetensors) into a runtime: a
     Llama-family one into a TransformerRuntime, a Mamba2 one (model_type
     "mamba2") into a Mamba2Runtime. `dtype`: compute dtype (default float32
     on CPU, the checkpoint's on GPU); pool_options go to TransformerRuntime
     (kv_cells, page, max_batch, max_seqs, prefill_step_tokens) or to
     Mamba2Runtime (state_bytes, max_batch, max_seqs, prefill_step_tokens,
-    chunk_size)."""
+    chunk_size). `tp` > 1: the model runs on that many rank processes
+    (engine/parallel; tp_options: transport, threads, timeout_s), with the
+    bits of tp 1."""
     path = os.fspath(path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if model_type(path) == "mamba2":
-        return _load_mamba2(path, backend, dev, dtype, invariant, max_seq_len, pool_options)
-    cfg = load_config(path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    if model_type(path) == "mamba2":
+        if tp != 1:
+            raise TpError(f"--tp {tp}: the Mamba2 runtime runs on one process (tensor parallelism is for "
+                          f"Llama-family models)")
+        return _load_mamba2(path, backend, dev, dtype, invariant, max_seq_len, pool_options)
+    cfg = load_config(path)
+    if tp != 1:
+        if backend != "torch" or dev.type != "cpu" or not cpu_kernels_in_use(backend, invariant, dev):
+            raise TpError(f"--tp {tp}: tensor parallelism runs on the CPU kernels (backend torch on a CPU with "
+                          f"the kernels built), not backend {backend!r} on {dev.type}")
+        from superfluid.engine.parallel.launch import load_tp
+
+        return load_tp(path, tp, dtype=dtype, max_seq_len=max_seq_len, **(tp_options or {}), **pool_options)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else cfg.dtype
     weights = load_weights(path, cfg, dtype=dtype)

@@ -45,16 +45,25 @@ def model_kind(path: str | os.PathLike) -> str:
 
 def plan_load(path: str | os.PathLike, backend: str = "torch", *, device: str | None = None,
               dtype: torch.dtype | str | None = None, invariant: bool = True, max_seq_len: int | None = None,
-              **pool_options) -> list[Need]:
+              tp: int = 1, tp_options: dict | None = None, **pool_options) -> list[Need]:
     """load()'s checks without its work: ConfigError or WeightError naming
-    the field, file or tensor that is wrong; else what it would allocate."""
+    the field, file or tensor that is wrong, TpError a degree the model
+    cannot be split into; else what it would allocate (at any degree: the
+    ranks of one machine hold the model and its pool between them)."""
+    from superfluid.engine.parallel.sharding import Shard, TpError
+
     path = os.fspath(path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if model_kind(path) == "mamba2":
+        if tp != 1:
+            raise TpError(f"--tp {tp}: the Mamba2 runtime runs on one process (tensor parallelism is for "
+                          f"Llama-family models)")
         return _plan_mamba2(Path(path), dev, pool_options)
     cfg = load_config(path)
+    if tp != 1:
+        Shard.plan(cfg, tp)
     check_weights(path, cfg)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else cfg.dtype

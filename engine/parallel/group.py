@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["GlooGroup", "Group", "GroupFault", "ShmGroup", "SoloGroup", "init_gloo"]
+__all__ = ["GlooGroup", "GlooLink", "Group", "GroupFault", "ShmGroup", "SoloGroup"]
 
 _LEN = struct.Struct("<q")
 
@@ -34,6 +34,7 @@ class Group:
     rank: int = 0
     world: int = 1
     transport: str = "solo"
+    link: GlooLink  # the gloo groups beside the transport (barriers, the plain all-reduce)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's t, in rank order, bitwise."""
@@ -70,61 +71,101 @@ class SoloGroup(Group):
         pass
 
 
-def init_gloo(init_method: str, world: int, rank: int, timeout_s: float) -> None:
-    """torch.distributed's default group over gloo (once a process)."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+class GlooLink:
+    """Process groups of torch.distributed's gloo for one TP group, made from
+    a store of their own (not torch.distributed's default group: a process
+    may lead several groups, a test several runtimes): `idle` (long timeout:
+    a follower waits there between steps) and `steps` (the group's timeout).
+    init_method: file://PATH or tcp://HOST:PORT (the leader listens)."""
 
+    def __init__(self, init_method: str, world: int, rank: int, timeout_s: float, load_timeout_s: float):
+        load = datetime.timedelta(seconds=load_timeout_s)
+        if init_method.startswith("file://"):
+            self.store: dist.Store = dist.FileStore(init_method[len("file://"):], world)
+        elif init_method.startswith("tcp://"):
+            host, _, port = init_method[len("tcp://"):].rpartition(":")
+            self.store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=load)
+        else:
+            raise ValueError(f"init method {init_method!r}: expected file://PATH or tcp://HOST:PORT")
+        self.rank, self.world = rank, world
+        try:
+            self.idle = dist.ProcessGroupGloo(dist.PrefixStore("idle", self.store), rank, world,
+                                              datetime.timedelta(days=7))
+            self.steps = dist.ProcessGroupGloo(dist.PrefixStore("steps", self.store), rank, world, load)
+        except RuntimeError as e:
+            raise GroupFault(f"joining the group as rank {rank} of {world}: {e}") from e
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.load_timeout = load
 
-class GlooGroup(Group):
-    """Collectives through torch.distributed's gloo: a group for the step's
-    collectives with the group's timeout, and one with a long timeout on
-    which followers wait for the leader's next message."""
-
-    transport = "gloo"
-
-    def __init__(self, timeout_s: float, idle_timeout_s: float = 7 * 86400):
-        if not dist.is_initialized():
-            raise GroupFault("torch.distributed is not initialized (init_gloo first)")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.timeout_s = timeout_s
-        self._steps = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self._idle = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
+    def barrier(self) -> None:
+        """Every rank got here (within the load timeout), then the step timeout holds."""
+        try:
+            self.steps.barrier().wait()
+        except RuntimeError as e:
+            raise GroupFault(f"gloo barrier: {e}") from e
+        self.steps.set_timeout(self.timeout)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         out = t.new_empty((self.world,) + tuple(t.shape))
         try:
-            dist.all_gather(list(out.unbind(0)), t, group=self._steps)
+            self.steps.allgather([list(out.unbind(0))], [t]).wait()
         except RuntimeError as e:
             raise GroupFault(f"gloo all_gather: {e}") from e
         return out
 
-    def broadcast(self, data: bytes | None, wait_s: float | None = None,
-                  alive: Callable[[], bool] | None = None) -> bytes:
-        # The length on the long-timeout group (a follower may wait there
-        # between steps), the bytes on the step group.
-        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    def broadcast(self, t: torch.Tensor, idle: bool = False) -> None:
         try:
-            dist.broadcast(n, src=0, group=self._idle)
-            buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None and len(data)
-                   else torch.empty(int(n.item()), dtype=torch.uint8))
-            if int(n.item()):
-                dist.broadcast(buf, src=0, group=self._steps)
+            (self.idle if idle else self.steps).broadcast(t, 0).wait()
         except RuntimeError as e:
             raise GroupFault(f"gloo broadcast: {e}") from e
-        return data if data is not None else buf.numpy().tobytes()
 
-    def all_reduce_plain(self, t: torch.Tensor) -> None:
+    def all_reduce(self, t: torch.Tensor) -> None:
         try:
-            dist.all_reduce(t, group=self._steps)
+            self.steps.allreduce([t]).wait()
         except RuntimeError as e:
             raise GroupFault(f"gloo all_reduce: {e}") from e
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for pg in (self.steps, self.idle):
+            try:
+                pg.shutdown()
+            except (RuntimeError, AttributeError):
+                pass
+
+
+class GlooGroup(Group):
+    """Every collective through gloo (the reference path, and the one across machines)."""
+
+    transport = "gloo"
+
+    def __init__(self, link: GlooLink):
+        self.link = link
+        self.rank, self.world = link.rank, link.world
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.link.all_gather(t)
+
+    def broadcast(self, data: bytes | None, wait_s: float | None = None,
+                  alive: Callable[[], bool] | None = None) -> bytes:
+        # The length on the long-timeout group (a follower waits there between steps), the bytes on the other.
+        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self.link.broadcast(n, idle=True)
+        size = int(n.item())
+        if data is not None:
+            if size:
+                self.link.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return data
+        buf = torch.empty(size, dtype=torch.uint8)
+        if size:
+            self.link.broadcast(buf)
+        return buf.numpy().tobytes()
+
+    def all_reduce_plain(self, t: torch.Tensor) -> None:
+        self.link.all_reduce(t)
+
+    def close(self) -> None:
+        self.link.close()
 
 
 class ShmGroup(Group):
@@ -134,8 +175,8 @@ class ShmGroup(Group):
 
     transport = "shm"
 
-    def __init__(self, comm, timeout_s: float):
-        self.comm = comm
+    def __init__(self, comm, link: GlooLink, timeout_s: float):
+        self.comm, self.link = comm, link
         self.rank, self.world = comm.rank, comm.world
         self.timeout_s = timeout_s
 
@@ -186,12 +227,8 @@ class ShmGroup(Group):
         return data if data is not None else b"".join(parts)
 
     def all_reduce_plain(self, t: torch.Tensor) -> None:
-        try:
-            dist.all_reduce(t)
-        except RuntimeError as e:
-            raise GroupFault(f"gloo all_reduce: {e}") from e
+        self.link.all_reduce(t)
 
     def close(self) -> None:
         self.comm.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.link.close()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from superfluid.engine.config import load_config
-from superfluid.engine.parallel.group import GlooGroup, Group, GroupFault, ShmGroup, init_gloo
+from superfluid.engine.parallel.group import GlooGroup, GlooLink, Group, GroupFault, ShmGroup
 from superfluid.engine.parallel.sharding import Shard
 from superfluid.engine.parallel.tp_model import TpModel
 from superfluid.engine.weights import load_weights
@@ -60,22 +60,27 @@ class RankSpec:
 
 
 def join_group(spec: RankSpec) -> Group:
-    """torch.distributed's gloo group (every transport: it carries the plain
-    all-reduce, and is the whole path across machines), and the transport."""
+    """The rank's gloo process groups (every transport: they carry the plain
+    all-reduce and the barriers, and are the whole path across machines),
+    and the transport over them."""
     if spec.transport not in TRANSPORTS:
         raise ValueError(f"--tp-transport {spec.transport!r}: expected one of {', '.join(TRANSPORTS)}")
-    init_gloo(spec.init_method, spec.world, spec.rank, LOAD_TIMEOUT_S)
+    link = GlooLink(spec.init_method, spec.world, spec.rank, spec.timeout_s, LOAD_TIMEOUT_S)
     if spec.transport == "gloo":
-        return GlooGroup(spec.timeout_s)
+        return GlooGroup(link)
     from superfluid.kernels.comm import ShmComm
 
-    if spec.rank == 0:
-        comm = ShmComm.create(spec.shm_path, spec.world, spec.slot_bytes)
-        torch.distributed.barrier()  # the segment exists before anyone attaches
-    else:
-        torch.distributed.barrier()
-        comm = ShmComm.attach(spec.shm_path, spec.world, spec.rank, spec.slot_bytes, spec.timeout_s)
-    return ShmGroup(comm, spec.timeout_s)
+    try:
+        if spec.rank == 0:
+            comm = ShmComm.create(spec.shm_path, spec.world, spec.slot_bytes)
+            link.all_reduce(torch.zeros(1))  # the segment exists before anyone attaches
+        else:
+            link.all_reduce(torch.zeros(1))
+            comm = ShmComm.attach(spec.shm_path, spec.world, spec.rank, spec.slot_bytes, spec.timeout_s)
+    except BaseException:
+        link.close()
+        raise
+    return ShmGroup(comm, link, spec.timeout_s)
 
 
 def load_shard(spec: RankSpec, group: Group) -> TpModel:
@@ -125,38 +130,64 @@ def wait_ready(procs: list[subprocess.Popen], timeout_s: float) -> None:
                 raise GroupFault(f"tp rank {r} exited with status {p.returncode} while loading")
 
 
-def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
-            transport: str = "shm", threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-            plain_reduce: bool = False, **pool_options: Any):
-    """A TransformerRuntime whose model runs on `tp` ranks: this process the
-    leader, tp - 1 follower processes spawned here (closed with the runtime)."""
-    from superfluid.engine.parallel.ranks import LeaderModel
-    from superfluid.engine.transformer import DEFAULT_KV_CELLS, DEFAULT_PAGE, TransformerRuntime
+def rank_spec(path: str, tp: int, rank: int, init_method: str, shm_path: str, *, dtype: torch.dtype | None = None,
+              max_seq_len: int | None = None, transport: str = "shm", threads: int = 1,
+              timeout_s: float = DEFAULT_TIMEOUT_S, plain_reduce: bool = False, leader_pid: int = 0,
+              **pool_options: Any) -> RankSpec:
+    """Rank `rank`'s spec from load()'s options: every rank of a group
+    computes the same pool shape and sequence limit from the same options."""
+    from superfluid.engine.transformer import DEFAULT_KV_CELLS, DEFAULT_PAGE
 
     cfg = load_config(path)
-    Shard.plan(cfg, tp, 0)  # refuse a degree the model does not split into, before any process starts
-    dtype = dtype or torch.float32
+    Shard.plan(cfg, tp, rank)  # a degree the model does not split into is refused before anything starts
+    if transport not in TRANSPORTS:
+        raise ValueError(f"--tp-transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if not timeout_s > 0:
+        raise ValueError(f"--tp-timeout {timeout_s}: must be > 0 seconds")
     limit = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
-    n = min(max_seq_len or limit, limit)
     page = pool_options.get("page", DEFAULT_PAGE)
-    n_blocks = -(-pool_options.get("kv_cells", DEFAULT_KV_CELLS) // page) + 1
-    rdzv = tempfile.mkdtemp(prefix="sf-tp-")
-    spec = RankSpec(path=os.fspath(path), world=tp, rank=0, init_method=f"file://{rdzv}/store", transport=transport,
-                    shm_path=f"/dev/shm/sf-tp-{os.getpid()}-{secrets.token_hex(4)}", timeout_s=timeout_s,
-                    dtype=str(dtype).removeprefix("torch."), max_seq_len=n, n_blocks=n_blocks, page=page,
-                    threads=threads, plain_reduce=plain_reduce)
-    procs = spawn_followers(spec)
+    return RankSpec(path=os.fspath(path), world=tp, rank=rank, init_method=init_method, transport=transport,
+                    shm_path=shm_path, timeout_s=timeout_s,
+                    dtype=str(dtype or torch.float32).removeprefix("torch."),
+                    max_seq_len=min(max_seq_len or limit, limit),
+                    n_blocks=-(-pool_options.get("kv_cells", DEFAULT_KV_CELLS) // page) + 1, page=page,
+                    threads=threads, leader_pid=leader_pid, plain_reduce=plain_reduce)
+
+
+def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
+            transport: str = "shm", threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+            plain_reduce: bool = False, join: tuple[str, str] | None = None, **pool_options: Any):
+    """A TransformerRuntime whose model runs on `tp` ranks, this process the
+    leader. `join` (init method, shared-memory path): the followers are
+    started by someone else (the daemon) and meet here; without it they are
+    spawned here and stopped with the runtime."""
+    from superfluid.engine.parallel.ranks import LeaderModel
+    from superfluid.engine.transformer import TransformerRuntime
+
+    rdzv = None
+    if join is None:
+        rdzv = tempfile.mkdtemp(prefix="sf-tp-")
+        join = (f"file://{rdzv}/store", f"/dev/shm/sf-tp-{os.getpid()}-{secrets.token_hex(4)}")
+    spec = rank_spec(path, tp, 0, *join, dtype=dtype, max_seq_len=max_seq_len, transport=transport, threads=threads,
+                     timeout_s=timeout_s, plain_reduce=plain_reduce, **pool_options)
+    procs = spawn_followers(spec) if rdzv else []
+    group: Group | None = None
     try:
         group = join_group(spec)
         model = load_shard(spec, group)
         wait_ready(procs, LOAD_TIMEOUT_S)
+        group.link.barrier()  # every rank loaded (the daemon watches those it started)
     except BaseException:
         for p in procs:
             p.kill()
             p.wait()
+        if group is not None:
+            group.close()
+        _remove(rdzv)
         raise
 
     def close_group() -> None:
+        assert group is not None
         group.close()
         for p in procs:
             try:
@@ -164,15 +195,23 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for name in os.listdir(rdzv):
-            os.unlink(os.path.join(rdzv, name))
-        os.rmdir(rdzv)
+        _remove(rdzv)
 
     from superfluid.engine.loader import _tokenizer
 
     tokenizer_json, specials = _tokenizer(os.fspath(path))
+    cfg = model.cfg
     leader = LeaderModel(model, close_group)
     rt = TransformerRuntime(leader, specials=specials, tokenizer_json=tokenizer_json,  # type: ignore[arg-type]
                             runtime_id=f"{cfg.arch}-torch", **pool_options)
+    rt.desc = dataclasses.replace(rt.desc, tp=tp, nnodes=1)
     rt.followers = procs  # type: ignore[attr-defined]
     return rt
+
+
+def _remove(rdzv: str | None) -> None:
+    if rdzv is None:
+        return
+    for name in os.listdir(rdzv):
+        os.unlink(os.path.join(rdzv, name))
+    os.rmdir(rdzv)

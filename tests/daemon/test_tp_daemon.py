@@ -1,0 +1,165 @@
+"""A worker as a tensor-parallel group under the daemon: a --tp 2 worker
+gives the tokens of a --tp 1 one; a follower killed, exiting or stopped, or
+the leader killed, restarts the whole group and the planner's requests
+finish bitwise as if nothing happened; no rank and no segment is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from superfluid.abi import Sampling, WorkerState
+from superfluid.abi.records import SamplingParams
+from superfluid.client import Client
+from superfluid.client.planner import Planner
+from superfluid.daemon.supervisor import Daemon
+from superfluid.engine.tiny import default_model_dir
+from superfluid.kernels import cpu
+from superfluid.rings.naming import shm_dir
+from superfluid.testing.daemon import live_workers, wait_for
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="tensor parallelism runs on the CPU kernels")
+
+TP_TIMEOUT_S = 3.0
+
+
+def workload() -> list[dict]:
+    sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.9)
+    return [dict(prompt=[(13 * i + 7 * j) % 256 for j in range(20 + 9 * i)], max_new_tokens=14,
+                 sampling=Sampling.GPU_GREEDY if i % 2 else Sampling.GPU_SAMPLE,
+                 params=SamplingParams() if i % 2 else sampled, rng_base=31 * (i + 1)) for i in range(4)]
+
+
+def _start(name: str, *extra: str, tp: int = 1) -> tuple[Daemon, threading.Thread]:
+    d = Daemon(name, ["--model", str(default_model_dir()), "--max-batch", "8", "--threads", "1", *extra],
+               workers=1, restart_backoff=0.05, restart_backoff_max=0.2, crash_loop=(1000, 60.0),
+               handle_signals=False, tp=tp)
+    d.start()
+    loop = threading.Thread(target=d.serve_forever, daemon=True)
+    loop.start()
+    return d, loop
+
+
+def _stop(name: str, d: Daemon, loop: threading.Thread) -> None:
+    d.stop()
+    loop.join(30)
+    assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"superfluid.{name}.")], "segments left"
+    assert not live_workers(name), "worker processes left"
+    assert not _ranks_alive(name), "tp ranks left"
+
+
+def _ranks_alive(name: str) -> list[int]:
+    marker = f"superfluid.{name}.".encode()
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{p}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and b"superfluid.daemon.tp_rank" in cmd and state != b"Z":
+            out.append(int(p))
+    return out
+
+
+def _run(name: str, kill=None) -> tuple[list[list[int]], int]:
+    with Client.connect(name, 0, timeout=120) as c:
+        assert c.parallel().tp >= 1
+        p = Planner(c, prefill_token_budget=64, decode_grant=3)
+        ids = [p.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"], rng_base=r["rng_base"],
+                        stop_at_eos=False) for r in workload()]
+        done = False
+        deadline = time.monotonic() + 300
+        while p.busy():
+            assert time.monotonic() < deadline, "requests never finished"
+            p.step(60)
+            if kill is not None and not done and any(len(ln.request.generated) >= 3 for ln in p.lanes.values()):
+                kill()
+                done = True
+        assert kill is None or done, "the fault was never injected"
+        rep = p.report()
+        return [rep.results[i].tokens for i in ids], p.stats.restarts
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    name = f"tpone{os.getpid()}"
+    d, loop = _start(name)
+    try:
+        with Client.connect(name, 0, timeout=120) as c:
+            assert c.parallel().tp == 1
+        want, _ = _run(name)
+    finally:
+        _stop(name, d, loop)
+    assert all(want)
+    return want
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    name = f"tptwo{os.getpid()}"
+    d, loop = _start(name, "--tp", "2", "--tp-timeout", str(TP_TIMEOUT_S), tp=2)
+    yield name, d
+    _stop(name, d, loop)
+
+
+def test_tp2_worker_gives_tp1_tokens(tp2, baseline):
+    name, _ = tp2
+    with Client.connect(name, 0, timeout=120) as c:
+        assert c.parallel().tp == 2 and c.parallel().nnodes == 1
+    got, restarts = _run(name)
+    assert restarts == 0 and got == baseline
+
+
+def _follower(d: Daemon) -> int:
+    ranks = d._workers[0].ranks
+    assert ranks is not None
+    wait_for(lambda: ranks.live, "a live tp rank")
+    return ranks.live[0].proc.pid
+
+
+@pytest.mark.parametrize("fault", ["kill-follower", "follower-exits", "stop-follower", "kill-leader"])
+def test_a_rank_fault_restarts_the_group_and_recovers_bitwise(tp2, baseline, fault):
+    name, d = tp2
+    wait_for(lambda: d.snapshot()[0]["state"] == WorkerState.READY.name, "the group to be ready", 120)
+    victims: list[int] = []
+
+    def kill() -> None:
+        if fault == "kill-leader":
+            pid = d.worker_pid(0)
+            assert pid is not None
+            followers = [r.proc.pid for r in d._workers[0].ranks.live]
+            os.kill(pid, signal.SIGKILL)
+            victims.extend(followers)
+            return
+        pid = _follower(d)
+        victims.append(pid)
+        os.kill(pid, {"kill-follower": signal.SIGKILL, "follower-exits": signal.SIGUSR1,
+                      "stop-follower": signal.SIGSTOP}[fault])
+
+    t0 = time.monotonic()
+    got, restarts = _run(name, kill)
+    assert restarts >= 1, f"{fault}: the planner never saw the restart"
+    assert got == baseline, f"{fault}: tokens diverged after the group restarted"
+    # The old group's ranks are gone (a stopped one killed by the daemon, a leader's followers with it).
+    for pid in victims:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+    assert time.monotonic() - t0 < 200
+
+
+def test_followers_end_within_a_second_of_the_leader(tp2):
+    name, d = tp2
+    wait_for(lambda: d.snapshot()[0]["state"] == WorkerState.READY.name, "the group to be ready", 120)
+    followers = [r.proc.pid for r in d._workers[0].ranks.live]
+    assert followers
+    os.kill(d.worker_pid(0), signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: not any(p in _ranks_alive(name) for p in followers), "the followers to end", 5)
+    assert time.monotonic() - t0 < 1.5
+    wait_for(lambda: d.snapshot()[0]["state"] == WorkerState.READY.name, "the group's restart", 120)
