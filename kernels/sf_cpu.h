@@ -48,4 +48,23 @@ int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int
 int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
                      int n, float *out, long ldo);
 
+/* The shared-memory collective of one tensor-parallel group (sf_comm.c,
+ * wrapped by comm.py). Codes: 0 ok, else one of these. */
+enum {
+    SF_COMM_ERRNO = -1,      /* a system call failed: errno says why */
+    SF_COMM_TIMEOUT = -2,    /* a peer did not arrive in time (missing: a mask of ranks) */
+    SF_COMM_MISMATCH = -3,   /* a peer's call differs in kind or size (missing: which) */
+    SF_COMM_BAD_HEADER = -4, /* not a segment of this version, or shorter than its header says */
+    SF_COMM_BAD_ARG = -5
+};
+int64_t sf_comm_segment_bytes(int world, int64_t slot_bytes);
+int sf_comm_create(const char *path, int world, int64_t slot_bytes, void **seg);
+int sf_comm_attach(const char *path, double timeout_s, void **seg, int64_t *seg_bytes);
+void sf_comm_header(const void *seg, uint64_t *out);
+int sf_comm_unmap(void *seg, int64_t seg_bytes);
+int sf_comm_all_gather(void *seg, int world, int rank, uint64_t seq, const void *src, int64_t nbytes, void *out,
+                       double timeout_s, uint64_t *missing);
+int sf_comm_broadcast(void *seg, int world, int rank, uint64_t seq, const void *src, int64_t nbytes, void *out,
+                      int64_t cap, int64_t *got, double timeout_s, uint64_t *missing);
+
 #endif
