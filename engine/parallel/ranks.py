@@ -13,6 +13,7 @@ restarted, so no rank ever runs on state that differs from the leader's.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -48,6 +49,7 @@ class LeaderModel:
         self.max_seq_len = tp.max_seq_len
         self.group = tp.group
         self.outbox: list[Op] = []
+        self.stats = tp.stats
         self._close_group = close_group
         self.pool: LeaderPool | None = None
 
@@ -62,12 +64,14 @@ class LeaderModel:
 
     def send(self, *ops: Op) -> None:
         """The queued ops, then `ops`, to every follower, in one message."""
+        t0 = time.perf_counter()
         msg = encode(self.outbox + list(ops))
         self.outbox = []
         try:
             self.group.broadcast(msg)
         except GroupFault as e:
             raise FatalError(f"tensor-parallel group: {e}") from e
+        self.stats.ship_s += time.perf_counter() - t0
 
     def forward(self, tokens: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rows: torch.Tensor | None) -> torch.Tensor:

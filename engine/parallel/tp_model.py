@@ -12,7 +12,9 @@ of kernels/cpu.py, one call an op.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 
 import torch
 
@@ -24,7 +26,21 @@ from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import heads_major
 from superfluid.kernels.backend import CpuBackend
 
-__all__ = ["TpModel"]
+__all__ = ["TpModel", "TpStats"]
+
+
+@dataclasses.dataclass
+class TpStats:
+    """Where a rank's steps went (bench tp): seconds in all-gathers, in
+    sending the step's inputs (the leader), and steps since reset()."""
+
+    collective_s: float = 0.0
+    ship_s: float = 0.0
+    steps: int = 0
+
+    def reset(self) -> None:
+        self.collective_s = self.ship_s = 0.0
+        self.steps = 0
 
 
 class TpModel:
@@ -43,6 +59,7 @@ class TpModel:
         self.dtype = dtype
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.plain_reduce = plain_reduce
+        self.stats = TpStats()
         self.n_heads, self.n_kv = len(shard.heads), len(shard.kv_heads)
         self.kv_heads = self.n_kv
         self.parts = shard.parts
@@ -98,6 +115,7 @@ class TpModel:
         inputs): the logits [rows, vocab] on the leader, None elsewhere."""
         cpu, cfg = self.cpu, self.cfg
         eps = cfg.rms_norm_eps
+        self.stats.steps += 1
         x = self._embed(tokens)
         for li, L in enumerate(self.layers):
             h = cpu.rmsnorm(x, L.attn_norm, eps)
@@ -113,6 +131,12 @@ class TpModel:
         logits = cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
         return self._gather_vocab(logits)
 
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.group.all_gather(t)
+        self.stats.collective_s += time.perf_counter() - t0
+        return out
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Each token's embedding row, copied whole from the rank holding it."""
         v = self.shard.vocab
@@ -122,7 +146,7 @@ class TpModel:
         x = torch.zeros((tokens.shape[0], self.cfg.hidden_size), dtype=torch.float32)
         if bool(mine.any()):
             x[mine] = self.cpu.embed(self.embed, tokens[mine] - v.start)
-        every = self.group.all_gather(x)  # [world, n, hidden]
+        every = self._all_gather(x)  # [world, n, hidden]
         owner = torch.bucketize(tokens, torch.tensor([r.stop for r in self.vocab[:-1]]), right=True)
         return every[owner, torch.arange(tokens.shape[0])].contiguous()
 
@@ -139,7 +163,7 @@ class TpModel:
                 s += bias
             x += s
             return
-        every = self.group.all_gather(parts)  # [world, local pieces, n, hidden]
+        every = self._all_gather(parts)  # [world, local pieces, n, hidden]
         self.cpu.combine(every.view(self.parts, *parts.shape[1:]), x, bias)
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -149,7 +173,7 @@ class TpModel:
         width = max(len(r) for r in self.vocab)
         if logits.shape[1] < width:
             logits = torch.cat([logits, logits.new_zeros((logits.shape[0], width - logits.shape[1]))], 1)
-        every = self.group.all_gather(logits.contiguous())  # [world, rows, width]
+        every = self._all_gather(logits.contiguous())  # [world, rows, width]
         if self.group.rank != 0:
             return None
         return torch.cat([every[r, :, :len(v)] for r, v in enumerate(self.vocab)], 1)

@@ -18,6 +18,7 @@ BENCHES: tuple[str, ...] = (
     "superfluid.bench.prefix",
     "superfluid.bench.grammar",
     "superfluid.bench.speculation",
+    "superfluid.bench.tp",
 )
 
 

@@ -143,14 +143,11 @@ def test_a_rank_fault_restarts_the_group_and_recovers_bitwise(tp2, baseline, fau
         os.kill(pid, {"kill-follower": signal.SIGKILL, "follower-exits": signal.SIGUSR1,
                       "stop-follower": signal.SIGSTOP}[fault])
 
-    t0 = time.monotonic()
     got, restarts = _run(name, kill)
     assert restarts >= 1, f"{fault}: the planner never saw the restart"
     assert got == baseline, f"{fault}: tokens diverged after the group restarted"
     # The old group's ranks are gone (a stopped one killed by the daemon, a leader's followers with it).
-    for pid in victims:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
-    assert time.monotonic() - t0 < 200
+    assert victims and not set(victims) & set(_ranks_alive(name) + live_workers(name))
 
 
 def test_followers_end_within_a_second_of_the_leader(tp2):
