@@ -117,6 +117,17 @@ def main(args: argparse.Namespace) -> int:
             print(f"superfluid serve: --model {args.model}: no such directory", file=sys.stderr)
             return 2
         args.model = os.path.abspath(args.model)  # the workers get the very same checkpoint
+    if args.node_rank > 0:  # another machine's share of the --tp ranks: no segment, no worker
+        from superfluid.daemon.tp_node import serve_ranks
+        from superfluid.daemon.worker import runtime_options
+
+        try:
+            if args.fake or runtime_options(args, args.model).get("tp", 1) == 1:
+                raise ValueError(f"--node-rank {args.node_rank}: a machine past node 0 runs --tp ranks of a model")
+        except ValueError as e:
+            print(f"superfluid serve: {e}", file=sys.stderr)
+            return 2
+        return serve_ranks(args, runtime_argv(args))
     # Until the daemon handles signals itself (Daemon.start), a SIGTERM ends
     # the checks at once, as a stop: nothing is made yet but the state directory.
     signal.signal(signal.SIGTERM, _stop_now)
@@ -136,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
                 fault_injection=args.fault_injection,
                 restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
                 crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port,
-                tp=args.tp)
+                tp=args.tp, nnodes=args.nnodes)
             daemon.start()
         except (SegmentError, ValueError) as e:  # e.g. --name of a daemon that runs: refused, as options are
             print(f"superfluid serve: {e}", file=sys.stderr)

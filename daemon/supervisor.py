@@ -114,7 +114,7 @@ class Daemon:
                  crash_loop: tuple[int, float] = (5, 60.0), stop_timeout: float = 10.0,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  handle_signals: bool = True, python: str = sys.executable,
-                 env: Mapping[str, str] | None = None, tp: int = 1):
+                 env: Mapping[str, str] | None = None, tp: int = 1, nnodes: int = 1):
         segment_path(name, max(0, workers - 1))  # a bad name or count fails here, before anything is made
         if workers < 1:
             raise ValueError(f"workers = {workers}: must be >= 1")
@@ -126,6 +126,7 @@ class Daemon:
             raise ValueError(f"tp = {tp}: must be >= 1")
         self.name = name
         self.tp = tp  # rank processes a worker's group has (worker_args carry --tp for them)
+        self.nnodes = nnodes  # machines they span: this one runs the first tp / nnodes
         self.n_workers = workers
         self.worker_args = list(worker_args)
         self.segment_config = segment_config or SegmentConfig()
@@ -191,7 +192,8 @@ class Daemon:
                 seg.header.fault_injection = int(self.fault_injection)
                 w = _Worker(i, seg, metrics=WorkerMetrics.create(f"{self.name}.{i}"))
                 if self.tp > 1:
-                    w.ranks = TpRanks(seg.path, self.tp, self.worker_args, self.python, self.env)
+                    w.ranks = TpRanks(seg.path, self.tp, self.worker_args, self.python, self.env,
+                                      local=self.tp // self.nnodes)
                     w.ranks.clean()  # what a SIGKILLed daemon's group left
                 self._workers.append(w)
             remove_stale_segments(self.name, self.n_workers)

@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--leader-pid", type=int, required=True)
-    p.add_argument("--tp-init", required=True)
-    p.add_argument("--tp-shm", required=True)
+    p.add_argument("--tp-init", default="", help="where a machine's ranks meet (across machines: --master-addr)")
+    p.add_argument("--tp-shm", default="")
     add_runtime_args(p)
     args = p.parse_args(argv)
     # The daemon signals the group; a group-wide SIGTERM or SIGINT must not end a rank mid-step.
@@ -37,13 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = runtime_options(args, model)
         tp, tp_opts = opts.pop("tp", 1), dict(opts.pop("tp_options", {}))
-        tp_opts.pop("join", None)
+        init, shm = tp_opts.pop("join")
+        tp_opts.pop("nnodes", None)
         if not 0 < args.rank < tp:
             raise ValueError(f"--rank {args.rank}: a follower of a group of {tp} is 1..{tp - 1}")
         import torch
 
         dtype = opts.pop("dtype", None)
-        spec = rank_spec(model, tp, args.rank, args.tp_init, args.tp_shm, leader_pid=args.leader_pid,
+        spec = rank_spec(model, tp, args.rank, init, shm, leader_pid=args.leader_pid,
                          dtype=getattr(torch, dtype) if dtype else None, **tp_opts, **opts)
     except ValueError as e:
         print(f"superfluid tp rank {args.rank}: {e}", file=sys.stderr)

@@ -43,8 +43,9 @@ class TpRanks:
     followers' commands, their processes, and the files of their meeting."""
 
     def __init__(self, segment: str, world: int, worker_args: Sequence[str], python: str,
-                 env: Mapping[str, str] | None):
+                 env: Mapping[str, str] | None, local: int | None = None):
         self.segment, self.world = segment, world
+        self.local = local or world  # ranks 0..local-1 run on this machine (--nnodes: the others elsewhere)
         self.worker_args = list(worker_args)
         self.python, self.env = python, dict(env) if env is not None else None
         self.live: list[Rank] = []
@@ -65,7 +66,7 @@ class TpRanks:
     def start(self, worker: Any, leader_pid: int) -> list[Rank]:
         """The followers of the leader `leader_pid`; each dies with the daemon."""
         started = []
-        for r in range(1, self.world):
+        for r in range(1, self.local):
             cmd = [self.python, "-P", "-m", "superfluid.daemon.tp_rank", "--rank", str(r),
                    "--leader-pid", str(leader_pid), "--tp-init", f"file://{self.store(self.epoch)}",
                    "--tp-shm", self.shm(self.epoch), *self.worker_args]

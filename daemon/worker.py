@@ -80,6 +80,8 @@ def runtime_options(args: argparse.Namespace, model: str) -> dict:
         if state_bytes:
             raise ValueError("--state-bytes sizes a Mamba2 state pool; this model's KV pool is sized by --kv-cells")
         out = dict(common, kv_cells=args.kv_cells or 16384, page=args.page, dtype=_DTYPES[dtype])
+        if getattr(args, "nnodes", 1) > 1 and tp == 1:
+            raise ValueError(f"--nnodes {args.nnodes}: spans machines with the ranks of --tp, which is 1")
         if tp > 1:
             out.update(tp=tp, tp_options=tp_options(args))
         return out
@@ -105,14 +107,30 @@ def runtime_options(args: argparse.Namespace, model: str) -> dict:
 
 def tp_options(args: argparse.Namespace) -> dict:
     """load()'s tp_options: the transport, the collective timeout, each rank's
-    threads (--threads, default the cores shared out), and where the daemon's
-    ranks meet (--tp-init, --tp-shm: given to the leader and the followers)."""
-    out = dict(transport=args.tp_transport, timeout_s=args.tp_timeout,
-               threads=args.threads or max(1, len(os.sched_getaffinity(0)) // args.tp))
-    init = getattr(args, "tp_init", None)
-    if init:
-        out["join"] = (init, getattr(args, "tp_shm", "") or "")
+    threads (--threads, default this machine's cores shared out), and where
+    the ranks meet: across machines at --master-addr:--master-port through
+    gloo, else where the daemon says (--tp-init, --tp-shm)."""
+    check_nodes(args)
+    local = args.tp // args.nnodes
+    out: dict = dict(transport=args.tp_transport if args.nnodes == 1 else "gloo", timeout_s=args.tp_timeout,
+                     threads=args.threads or max(1, len(os.sched_getaffinity(0)) // local), nnodes=args.nnodes)
+    if args.nnodes > 1:
+        out["join"] = (f"tcp://{args.master_addr}:{args.master_port}", "")
+    elif getattr(args, "tp_init", None):
+        out["join"] = (args.tp_init, getattr(args, "tp_shm", "") or "")
     return out
+
+
+def check_nodes(args: argparse.Namespace) -> None:
+    """ValueError naming the option when --nnodes, --node-rank and --tp do not fit together."""
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank}: the nodes of --nnodes {args.nnodes} are 0..{args.nnodes - 1}")
+    if args.nnodes > 1:
+        if args.tp % args.nnodes:
+            raise ValueError(f"--nnodes {args.nnodes}: does not divide --tp {args.tp} (each node runs as many ranks)")
+        if not args.master_addr:
+            raise ValueError(f"--nnodes {args.nnodes}: --master-addr is needed (node 0's address)")
+
 
 
 _PAGE_DEFAULT = 16
@@ -197,6 +215,14 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-timeout", type=_positive_seconds, default=10.0,
                    help="seconds a rank waits for the others in a collective before the group is restarted "
                         "(a rank died or stopped; default 10)")
+    p.add_argument("--nnodes", type=_at_least(1, 64), default=1,
+                   help="machines the --tp ranks span (each runs `serve` with the same options and its "
+                        "--node-rank; node 0 hosts the worker and its segment; default 1)")
+    p.add_argument("--node-rank", type=_at_least(0, 63), default=0, help="this machine's place among --nnodes")
+    p.add_argument("--master-addr", default="",
+                   help="with --nnodes > 1: the address where node 0's leader rank listens for the others")
+    p.add_argument("--master-port", type=_at_least(1, 65535), default=29517,
+                   help="with --nnodes > 1: its port (default 29517)")
     p.add_argument("--threads", type=_at_least(0), default=0,
                    help="threads per worker (default: torch's choice): a transformer on the CPU runs our "
                         "kernels on them and torch's own ops on one; else torch's. Keep workers x threads at or "

@@ -156,11 +156,11 @@ def rank_spec(path: str, tp: int, rank: int, init_method: str, shm_path: str, *,
 
 def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
             transport: str = "shm", threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-            plain_reduce: bool = False, join: tuple[str, str] | None = None, **pool_options: Any):
+            plain_reduce: bool = False, join: tuple[str, str] | None = None, nnodes: int = 1, **pool_options: Any):
     """A TransformerRuntime whose model runs on `tp` ranks, this process the
     leader. `join` (init method, shared-memory path): the followers are
-    started by someone else (the daemon) and meet here; without it they are
-    spawned here and stopped with the runtime."""
+    started by someone else (the daemons of `nnodes` machines) and meet
+    here; without it they are spawned here and stopped with the runtime."""
     from superfluid.engine.parallel.ranks import LeaderModel
     from superfluid.engine.transformer import TransformerRuntime
 
@@ -204,7 +204,7 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
     leader = LeaderModel(model, close_group)
     rt = TransformerRuntime(leader, specials=specials, tokenizer_json=tokenizer_json,  # type: ignore[arg-type]
                             runtime_id=f"{cfg.arch}-torch", **pool_options)
-    rt.desc = dataclasses.replace(rt.desc, tp=tp, nnodes=1)
+    rt.desc = dataclasses.replace(rt.desc, tp=tp, nnodes=nnodes)
     rt.followers = procs  # type: ignore[attr-defined]
     return rt
 
