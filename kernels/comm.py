@@ -144,12 +144,7 @@ class ShmComm:
         self._broken = str(err)
         raise err
 
-    def all_gather(self, src: torch.Tensor, out: torch.Tensor, timeout_s: float) -> None:
-        """src: contiguous CPU tensor (any dtype) of <= slot_bytes bytes; out:
-        contiguous, same dtype, shape [world, *src.shape]; out[r] = rank r's
-        src, bitwise. src may be out[rank] (gather in place)."""
-        seq = self._begin()
-        timeout_s = _check_timeout(timeout_s)
+    def _refuse(self, src: object, out: object) -> NoReturn:
         for name, t in (("src", src), ("out", out)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -159,13 +154,27 @@ class ShmComm:
                 raise ValueError(f"{name} must be a contiguous dense tensor")
             if t.is_conj() or t.is_neg():  # a lazy view: its memory is not its values
                 raise ValueError(f"{name} has a lazy conj/neg bit: resolve_conj()/resolve_neg() it first")
-        nbytes = src.numel() * src.element_size()
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"src has {nbytes} bytes, more than slot_bytes={self.slot_bytes}")
+        assert isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+        if src.nbytes > self.slot_bytes:
+            raise ValueError(f"src has {src.nbytes} bytes, more than slot_bytes={self.slot_bytes}")
         if out.dtype != src.dtype:
             raise ValueError(f"out must have src's dtype {src.dtype}, got {out.dtype}")
-        if tuple(out.shape) != (self.world, *src.shape):
-            raise ValueError(f"out must have shape {[self.world, *src.shape]}, got {list(out.shape)}")
+        raise ValueError(f"out must have shape {[self.world, *src.shape]}, got {list(out.shape)}")
+
+    def all_gather(self, src: torch.Tensor, out: torch.Tensor, timeout_s: float) -> None:
+        """src: contiguous CPU tensor (any dtype) of <= slot_bytes bytes; out:
+        contiguous, same dtype, shape [world, *src.shape]; out[r] = rank r's
+        src, bitwise. src may be out[rank] (gather in place)."""
+        seq = self._begin()
+        timeout_s = _check_timeout(timeout_s)
+        # One pass over the usual case (this is per layer); the checks one by one only to say what is wrong.
+        if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.is_cpu and out.is_cpu
+                and src.layout == torch.strided and out.layout == torch.strided and src.is_contiguous()
+                and out.is_contiguous() and not (src.is_conj() or src.is_neg() or out.is_conj() or out.is_neg())
+                and src.nbytes <= self.slot_bytes and out.dtype == src.dtype
+                and out.shape[:1] == (self.world,) and out.shape[1:] == src.shape):
+            self._refuse(src, out)
+        nbytes = src.nbytes
         rc = lib.sf_comm_all_gather(self._seg, self.world, self.rank, seq, ffi.cast("void *", src.data_ptr()),
                                     nbytes, ffi.cast("void *", out.data_ptr()), timeout_s, self._missing)
         self._seq = seq
