@@ -7,8 +7,10 @@ Rank 0 creates the segment (a file under /dev/shm, a path no other group
 uses), ranks 1.. attach to it. Every call is a collective: every rank makes
 the same calls in the same order. Every wait is bounded by the call's
 timeout_s; a peer that does not arrive (dead, stopped, or out of step)
-raises CommTimeout on the others, naming it, and leaves the communicator
-unusable (close it). One thread at a time per ShmComm. The C side waits without the GIL (cffi releases it
+raises CommTimeout on the others, naming it; where this rank had already
+sent its part the communicator is unusable after it (close it), else
+(CommTimeout.retryable) the same call may be made again. One thread at a
+time per ShmComm. The C side waits without the GIL (cffi releases it
 around every call).
 """
 
@@ -29,7 +31,18 @@ MAX_WORLD = 64
 
 
 class CommTimeout(RuntimeError):
-    """A peer did not arrive within the bound (dead, stopped, or out of step)."""
+    """A peer did not arrive within the bound (dead, stopped, or out of step).
+
+    ranks: the ranks waited for. retryable: this rank had sent nothing yet
+    (a broadcast, or an all_gather still waiting for the call before to be
+    read), so the same call may be made again, e.g. by a follower waiting
+    in broadcast for the next step with a short bound and a liveness check
+    between tries; otherwise the communicator is unusable now."""
+
+    def __init__(self, message: str, ranks: list[int], retryable: bool) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.retryable = retryable
 
 
 class CommMismatch(RuntimeError):
@@ -108,7 +121,7 @@ class ShmComm:
         seg, seg_bytes = ffi.new("void **"), ffi.new("int64_t *")
         rc = _lib().sf_comm_attach(os.fsencode(path), timeout_s, seg, seg_bytes)
         if rc == lib.SF_COMM_TIMEOUT:
-            raise CommTimeout(f"rank {rank}: rank 0 did not make {path} ready within {timeout_s} s")
+            raise CommTimeout(f"rank {rank}: rank 0 did not make {path} ready within {timeout_s} s", [0], True)
         if rc == lib.SF_COMM_BAD_HEADER:
             raise ValueError(f"{path} is not a comm segment of this version (magic/version/size)")
         if rc != 0:
@@ -130,12 +143,20 @@ class ShmComm:
             raise RuntimeError(f"rank {self.rank}: the comm at {self.path} is unusable after: {self._broken}")
         return self._seq + 1
 
-    def _fail(self, rc: int, what: str, seq: int, timeout_s: float) -> NoReturn:
+    def _end(self, rc: int, what: str, seq: int, timeout_s: float) -> None:
+        """Count call seq as made, unless it timed out having sent nothing."""
+        if rc == lib.SF_COMM_TIMEOUT:
+            ranks = _ranks(self._missing[0])
+            raise CommTimeout(f"rank {self.rank}: rank(s) {ranks} did not arrive within {timeout_s} s at call {seq} "
+                              f"({what}; nothing sent: the call may be made again)", ranks, True)
+        self._seq = seq
+        if rc == 0:
+            return
         ranks = _ranks(self._missing[0])
         err: Exception
-        if rc == lib.SF_COMM_TIMEOUT:
+        if rc == lib.SF_COMM_TIMEOUT_SENT:
             err = CommTimeout(f"rank {self.rank}: rank(s) {ranks} did not arrive within {timeout_s} s "
-                              f"at call {seq} ({what})")
+                              f"at call {seq} ({what})", ranks, False)
         elif rc == lib.SF_COMM_MISMATCH:
             err = CommMismatch(f"rank {self.rank}: rank(s) {ranks} made another call than {what} "
                                f"(kind or size) at call {seq}")
@@ -177,9 +198,7 @@ class ShmComm:
         nbytes = src.nbytes
         rc = lib.sf_comm_all_gather(self._seg, self.world, self.rank, seq, ffi.cast("void *", src.data_ptr()),
                                     nbytes, ffi.cast("void *", out.data_ptr()), timeout_s, self._missing)
-        self._seq = seq
-        if rc != 0:
-            self._fail(rc, "all_gather", seq, timeout_s)
+        self._end(rc, "all_gather", seq, timeout_s)
 
     def broadcast(self, data: bytes | None, timeout_s: float) -> bytes:
         """Rank 0 passes the bytes (<= slot_bytes), the others None; every
@@ -201,9 +220,7 @@ class ShmComm:
             src, nbytes, out, cap = ffi.NULL, 0, self._scratch, self.slot_bytes
         rc = lib.sf_comm_broadcast(self._seg, self.world, self.rank, seq, src, nbytes, out, cap, self._got,
                                    timeout_s, self._missing)
-        self._seq = seq
-        if rc != 0:
-            self._fail(rc, "broadcast", seq, timeout_s)
+        self._end(rc, "broadcast", seq, timeout_s)
         if self.rank == 0:
             return sent
         got: bytes = ffi.buffer(self._scratch, self._got[0])[:]

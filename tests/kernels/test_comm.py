@@ -277,8 +277,9 @@ def test_a_peer_that_never_calls_or_is_stopped(tmp_path: Path) -> None:
         assert g.comm is not None
         os.kill(g.procs[2].pid, signal.SIGSTOP)
         g.send(1, "gather_once", 3.0)
-        with pytest.raises(CommTimeout, match=r"rank 0: rank\(s\) \[2\] did not arrive within 1.0 s"):
+        with pytest.raises(CommTimeout, match=r"rank 0: rank\(s\) \[2\] did not arrive within 1.0 s") as e:
             g.comm.all_gather(torch.zeros(3), torch.zeros(3, 3), 1.0)
+        assert e.value.ranks == [2] and not e.value.retryable  # its part was out
         rep = g.recv(1)
         assert rep[:2] == ("error", "CommTimeout") and "rank 1: rank(s) [2] did not arrive" in rep[2], rep
         os.kill(g.procs[2].pid, signal.SIGCONT)
@@ -291,12 +292,14 @@ def test_followers_see_a_silent_root_and_the_root_a_killed_peer(tmp_path: Path) 
         assert g.comm is not None
         g.send(1, "bcast_once", 0.5)
         rep = g.recv(1)
-        assert rep[:2] == ("error", "CommTimeout") and "rank(s) [0]" in rep[2], rep
+        assert rep[:2] == ("error", "CommTimeout") and "rank(s) [0]" in rep[2] and "nothing sent" in rep[2], rep
         g.procs[1].kill()
         g.procs[1].wait()
         assert g.comm.broadcast(b"step", 1.0) == b"step"  # call 1: rank 0 waits for no one yet
-        with pytest.raises(CommTimeout, match=r"rank\(s\) \[1\]"):
-            g.comm.all_gather(torch.zeros(2), torch.zeros(2, 2), 0.5)
+        for _ in range(2):  # still waiting for rank 1 to read call 1: nothing sent, so again
+            with pytest.raises(CommTimeout, match=r"rank\(s\) \[1\]") as e:
+                g.comm.all_gather(torch.zeros(2), torch.zeros(2, 2), 0.3)
+            assert e.value.ranks == [1] and e.value.retryable
 
 
 # ------------------------------------------------- in one process, ranks on threads
@@ -346,6 +349,25 @@ def test_waits_without_the_gil() -> None:
         c0.all_gather(torch.tensor([1.0, 2.0]), out0, 30.0)
         t.join()
         assert got == [None] and out0.tolist() == out1.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    finally:
+        c1.close()
+        c0.close()
+
+
+def test_an_idle_follower_waits_again_after_a_timeout() -> None:
+    """A broadcast that timed out sent nothing: the follower (and rank 0)
+    may call again, and the group stays in step."""
+    c0, c1 = _pair()
+    try:
+        for _ in range(2):
+            with pytest.raises(CommTimeout, match="nothing sent") as e:
+                c1.broadcast(None, 0.05)
+            assert e.value.ranks == [0] and e.value.retryable
+        assert _on_threads(lambda: c0.broadcast(b"step", 5.0), lambda: c1.broadcast(None, 5.0)) == [b"step"] * 2
+        outs = [torch.zeros(2, 1), torch.zeros(2, 1)]
+        _on_threads(lambda: c0.all_gather(torch.ones(1), outs[0], 5.0),
+                    lambda: c1.all_gather(torch.ones(1) * 2, outs[1], 5.0))
+        assert outs[0].tolist() == outs[1].tolist() == [[1.0], [2.0]]
     finally:
         c1.close()
         c0.close()
