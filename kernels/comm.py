@@ -7,8 +7,10 @@ Rank 0 creates the segment (a file under /dev/shm, a path no other group
 uses), ranks 1.. attach to it. Every call is a collective: every rank makes
 the same calls in the same order. Every wait is bounded by the call's
 timeout_s; a peer that does not arrive (dead, stopped, or out of step)
-raises CommTimeout on the others, naming it, and leaves the communicator
-unusable (close it). One thread at a time per ShmComm. The C side waits without the GIL (cffi releases it
+raises CommTimeout on the others, naming it; where this rank had already
+sent its part the communicator is unusable after it (close it), else
+(CommTimeout.retryable) the same call may be made again. One thread at a
+time per ShmComm. The C side waits without the GIL (cffi releases it
 around every call).
 """
 
@@ -29,7 +31,18 @@ MAX_WORLD = 64
 
 
 class CommTimeout(RuntimeError):
-    """A peer did not arrive within the bound (dead, stopped, or out of step)."""
+    """A peer did not arrive within the bound (dead, stopped, or out of step).
+
+    ranks: the ranks waited for. retryable: this rank had sent nothing yet
+    (a broadcast, or an all_gather still waiting for the call before to be
+    read), so the same call may be made again, e.g. by a follower waiting
+    in broadcast for the next step with a short bound and a liveness check
+    between tries; otherwise the communicator is unusable now."""
+
+    def __init__(self, message: str, ranks: list[int], retryable: bool) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.retryable = retryable
 
 
 class CommMismatch(RuntimeError):
@@ -108,7 +121,7 @@ class ShmComm:
         seg, seg_bytes = ffi.new("void **"), ffi.new("int64_t *")
         rc = _lib().sf_comm_attach(os.fsencode(path), timeout_s, seg, seg_bytes)
         if rc == lib.SF_COMM_TIMEOUT:
-            raise CommTimeout(f"rank {rank}: rank 0 did not make {path} ready within {timeout_s} s")
+            raise CommTimeout(f"rank {rank}: rank 0 did not make {path} ready within {timeout_s} s", [0], True)
         if rc == lib.SF_COMM_BAD_HEADER:
             raise ValueError(f"{path} is not a comm segment of this version (magic/version/size)")
         if rc != 0:
@@ -130,12 +143,20 @@ class ShmComm:
             raise RuntimeError(f"rank {self.rank}: the comm at {self.path} is unusable after: {self._broken}")
         return self._seq + 1
 
-    def _fail(self, rc: int, what: str, seq: int, timeout_s: float) -> NoReturn:
+    def _end(self, rc: int, what: str, seq: int, timeout_s: float) -> None:
+        """Count call seq as made, unless it timed out having sent nothing."""
+        if rc == lib.SF_COMM_TIMEOUT:
+            ranks = _ranks(self._missing[0])
+            raise CommTimeout(f"rank {self.rank}: rank(s) {ranks} did not arrive within {timeout_s} s at call {seq} "
+                              f"({what}; nothing sent: the call may be made again)", ranks, True)
+        self._seq = seq
+        if rc == 0:
+            return
         ranks = _ranks(self._missing[0])
         err: Exception
-        if rc == lib.SF_COMM_TIMEOUT:
+        if rc == lib.SF_COMM_TIMEOUT_SENT:
             err = CommTimeout(f"rank {self.rank}: rank(s) {ranks} did not arrive within {timeout_s} s "
-                              f"at call {seq} ({what})")
+                              f"at call {seq} ({what})", ranks, False)
         elif rc == lib.SF_COMM_MISMATCH:
             err = CommMismatch(f"rank {self.rank}: rank(s) {ranks} made another call than {what} "
                                f"(kind or size) at call {seq}")
@@ -144,12 +165,7 @@ class ShmComm:
         self._broken = str(err)
         raise err
 
-    def all_gather(self, src: torch.Tensor, out: torch.Tensor, timeout_s: float) -> None:
-        """src: contiguous CPU tensor (any dtype) of <= slot_bytes bytes; out:
-        contiguous, same dtype, shape [world, *src.shape]; out[r] = rank r's
-        src, bitwise. src may be out[rank] (gather in place)."""
-        seq = self._begin()
-        timeout_s = _check_timeout(timeout_s)
+    def _refuse(self, src: object, out: object) -> NoReturn:
         for name, t in (("src", src), ("out", out)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -159,18 +175,30 @@ class ShmComm:
                 raise ValueError(f"{name} must be a contiguous dense tensor")
             if t.is_conj() or t.is_neg():  # a lazy view: its memory is not its values
                 raise ValueError(f"{name} has a lazy conj/neg bit: resolve_conj()/resolve_neg() it first")
-        nbytes = src.numel() * src.element_size()
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"src has {nbytes} bytes, more than slot_bytes={self.slot_bytes}")
+        assert isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+        if src.nbytes > self.slot_bytes:
+            raise ValueError(f"src has {src.nbytes} bytes, more than slot_bytes={self.slot_bytes}")
         if out.dtype != src.dtype:
             raise ValueError(f"out must have src's dtype {src.dtype}, got {out.dtype}")
-        if tuple(out.shape) != (self.world, *src.shape):
-            raise ValueError(f"out must have shape {[self.world, *src.shape]}, got {list(out.shape)}")
+        raise ValueError(f"out must have shape {[self.world, *src.shape]}, got {list(out.shape)}")
+
+    def all_gather(self, src: torch.Tensor, out: torch.Tensor, timeout_s: float) -> None:
+        """src: contiguous CPU tensor (any dtype) of <= slot_bytes bytes; out:
+        contiguous, same dtype, shape [world, *src.shape]; out[r] = rank r's
+        src, bitwise. src may be out[rank] (gather in place)."""
+        seq = self._begin()
+        timeout_s = _check_timeout(timeout_s)
+        # One pass over the usual case (this is per layer); the checks one by one only to say what is wrong.
+        if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.is_cpu and out.is_cpu
+                and src.layout == torch.strided and out.layout == torch.strided and src.is_contiguous()
+                and out.is_contiguous() and not (src.is_conj() or src.is_neg() or out.is_conj() or out.is_neg())
+                and src.nbytes <= self.slot_bytes and out.dtype == src.dtype
+                and out.shape[:1] == (self.world,) and out.shape[1:] == src.shape):
+            self._refuse(src, out)
+        nbytes = src.nbytes
         rc = lib.sf_comm_all_gather(self._seg, self.world, self.rank, seq, ffi.cast("void *", src.data_ptr()),
                                     nbytes, ffi.cast("void *", out.data_ptr()), timeout_s, self._missing)
-        self._seq = seq
-        if rc != 0:
-            self._fail(rc, "all_gather", seq, timeout_s)
+        self._end(rc, "all_gather", seq, timeout_s)
 
     def broadcast(self, data: bytes | None, timeout_s: float) -> bytes:
         """Rank 0 passes the bytes (<= slot_bytes), the others None; every
@@ -192,9 +220,7 @@ class ShmComm:
             src, nbytes, out, cap = ffi.NULL, 0, self._scratch, self.slot_bytes
         rc = lib.sf_comm_broadcast(self._seg, self.world, self.rank, seq, src, nbytes, out, cap, self._got,
                                    timeout_s, self._missing)
-        self._seq = seq
-        if rc != 0:
-            self._fail(rc, "broadcast", seq, timeout_s)
+        self._end(rc, "broadcast", seq, timeout_s)
         if self.rank == 0:
             return sent
         got: bytes = ffi.buffer(self._scratch, self._got[0])[:]

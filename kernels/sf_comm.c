@@ -262,7 +262,9 @@ static int valid(void *seg, int world, int rank, uint64_t seq, int64_t nbytes) {
 
 /* Call `seq`: out[r * nbytes ...] = rank r's src for every rank r. Peers'
  * sizes must be nbytes too (else SF_COMM_MISMATCH, them in *missing). src
- * may lie in out (e.g. out's row `rank`). */
+ * may lie in out (e.g. out's row `rank`). SF_COMM_TIMEOUT: nothing was
+ * published, the call may be made again; SF_COMM_TIMEOUT_SENT: this rank's
+ * part was, so the call is spent. */
 int sf_comm_all_gather(void *seg, int world, int rank, uint64_t seq, const void *src, int64_t nbytes, void *out,
                        double timeout_s, uint64_t *missing) {
     *missing = 0;
@@ -295,7 +297,7 @@ int sf_comm_all_gather(void *seg, int world, int rank, uint64_t seq, const void 
         todo &= ~got;
         if (todo && !got && !backoff_step(&b)) {
             *missing = behind(seg, todo, seq);
-            if (*missing) return SF_COMM_TIMEOUT;
+            if (*missing) return SF_COMM_TIMEOUT_SENT;
         }
     }
     if (bad) {
@@ -308,7 +310,8 @@ int sf_comm_all_gather(void *seg, int world, int rank, uint64_t seq, const void 
 /* Call `seq`: rank 0's nbytes of src; the others get them in out (capacity
  * cap) and their count in *got. Rank 0 returns once its data is published
  * (the others read it after); it first waits until every peer is done
- * reading the broadcast before last. */
+ * reading the broadcast before last. A timeout here publishes nothing, on
+ * any rank: the call may be made again (a follower idle between steps). */
 int sf_comm_broadcast(void *seg, int world, int rank, uint64_t seq, const void *src, int64_t nbytes, void *out,
                       int64_t cap, int64_t *got, double timeout_s, uint64_t *missing) {
     *missing = 0;

@@ -52,7 +52,8 @@ int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits
  * wrapped by comm.py). Codes: 0 ok, else one of these. */
 enum {
     SF_COMM_ERRNO = -1,      /* a system call failed: errno says why */
-    SF_COMM_TIMEOUT = -2,    /* a peer did not arrive in time (missing: a mask of ranks) */
+    SF_COMM_TIMEOUT = -2,    /* a peer did not arrive in time (missing: a mask of ranks); nothing sent */
+    SF_COMM_TIMEOUT_SENT = -6, /* the same, after this rank had published its part: the call is spent */
     SF_COMM_MISMATCH = -3,   /* a peer's call differs in kind or size (missing: which) */
     SF_COMM_BAD_HEADER = -4, /* not a segment of this version, or shorter than its header says */
     SF_COMM_BAD_ARG = -5
