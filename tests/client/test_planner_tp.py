@@ -52,12 +52,14 @@ def test_a_tp2_worker_gives_the_planner_the_tokens_of_a_tp1_worker(tmp_path):
     # Both load at once; one thread a rank (two ranks on a two-core box).
     two = Serve(tmp_path, f"pltp2{os.getpid()}", "--tp", "2", "--threads", "1", "--tp-timeout", "60")
     one = Serve(tmp_path, f"pltp1{os.getpid()}", "--threads", "1")
+    got: dict = {}
+    want: dict = {}
     try:
-        got, want = ({}, {})
         for d, out in ((two, got), (one, want)):
             with Client.connect(d.name, 0, timeout=120) as c:
                 p = c.parallel(timeout=120)
                 out.update(wl.run(c, WORKLOAD, timeout=300), parallel=(p.tp, p.nnodes))
+            _stop(d)  # its ranks leave the cores to the next run
     finally:
         for d in (two, one):
             _stop(d)
