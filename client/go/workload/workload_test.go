@@ -218,6 +218,41 @@ func TestTinyModelTokensMatchPythonPlanner(t *testing.T) {
 	compareWithPython(t, d)
 }
 
+// The tensor-parallel degree changes no bit: a `--tp 2` worker (two rank
+// processes) gives the Go planner the tokens the shared `--tp 1` one gives.
+// compareWithPython shows the sampled tokens move with rng_base, so equal
+// non-empty tokens are not an accident of the draws.
+func TestTP2WorkerGivesTheTokensOfTP1(t *testing.T) {
+	describe := func(d *livetest.Daemon) sf.Parallel {
+		c := d.Connect(t)
+		defer c.Close()
+		desc, err := c.Describe(T)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return desc.Parallel
+	}
+	two := livetest.Serve(t, "--model", livetest.TinyModelDir(t), "--max-batch", "8", "--threads", "1",
+		"--tp", "2", "--tp-timeout", "60")
+	p2 := describe(two)
+	got := goRun(t, two, mixed(0), false)
+	two.Stop(t) // its ranks leave the cores to the second run
+	one := tinyDaemon(t)
+	p1 := describe(one)
+	want := goRun(t, one, mixed(0), true)
+	if p2 != (sf.Parallel{TP: 2, NNodes: 1}) || p1 != (sf.Parallel{TP: 1, NNodes: 1}) {
+		t.Fatalf("describe: --tp 2 says %+v, --tp 1 says %+v", p2, p1)
+	}
+	for i, r := range want.Results {
+		if len(r.Tokens) == 0 {
+			t.Fatalf("request %d got no token: %s", i+1, want.JSON())
+		}
+	}
+	if !reflect.DeepEqual(got.Results, want.Results) {
+		t.Fatalf("--tp 2 %s\n--tp 1 %s", got.JSON(), want.JSON())
+	}
+}
+
 // A worker too small for the requests at once: NeedsReplan, fewer admits,
 // a preemption; the same results as the Python planner's, admissions too.
 func TestMemoryPressureMatchesPythonPlanner(t *testing.T) {

@@ -72,6 +72,30 @@ fn the_tiny_model_gives_the_rust_planner_the_python_planners_tokens() {
     same_as_python(&[], "rpt");
 }
 
+/// The tensor-parallel degree changes no bit: the mixed workload gets the
+/// same tokens from a `--tp 2` worker (two rank processes) as from a `--tp 1`
+/// one. same_as_python shows that rng_base moves the sampled tokens, so
+/// equal non-empty tokens here are not an accident of the draws.
+#[test]
+fn a_tp2_worker_gives_the_rust_planner_the_tokens_of_a_tp1_worker() {
+    let Some(py) = python() else { return };
+    let pid = std::process::id();
+    // One thread a rank: two ranks on a two-core box, not four spinning threads.
+    let two = serve(&py, &format!("rptp2{pid}"), &["--tp", "2", "--threads", "1", "--tp-timeout", "60"]);
+    let one = serve(&py, &format!("rptp1{pid}"), &["--threads", "1"]);
+    let w = mixed();
+    let run = |d: &Daemon| {
+        let tp = connect(&d.1).describe(std::time::Duration::from_secs(120)).unwrap().parallel;
+        ((tp.tp, tp.nnodes), outcomes(&rust_plan(&d.1, &w)))
+    };
+    let (p2, got) = run(&two);
+    drop(two); // stopped: its ranks leave the cores to the second run
+    let (p1, want) = run(&one);
+    assert_eq!((p2, p1), ((2, 1), (1, 1)));
+    assert!(want.iter().all(|(t, _)| !t.is_empty()), "{want:?}");
+    assert_eq!(got, want);
+}
+
 /// Requests sharing a long prefix, one lane at a time: each after the first
 /// leases what the one before published.
 fn shared_prefix(use_leases: bool) -> Value {
