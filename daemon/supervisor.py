@@ -53,7 +53,7 @@ from .metrics import WorkerMetrics
 from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
 from .status import worker_snapshot
-from .tp_ranks import Rank, TpRanks
+from .tp_ranks import STOP_GRACE_S, Rank, TpRanks
 from .worker import EXIT_UNSERVABLE
 from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, short_exit
 
@@ -385,14 +385,15 @@ class Daemon:
                     rank.epoch, describe_exit(status))
         w.proc.kill()
 
-    def _end_group(self, w: _Worker) -> None:
-        """The leader is gone: its followers too (killed if still there), and their meeting files."""
+    def _end_group(self, w: _Worker, stopped: bool = False) -> None:
+        """The leader is gone: its followers too (killed if still there; after
+        a grace when it `stopped` cleanly), and their meeting files."""
         if w.ranks is None:
             return
         assert self._loop is not None
         for rank in w.ranks.live:
             self._loop.unwatch(rank.pidfd)
-        w.ranks.kill()
+        w.ranks.kill(STOP_GRACE_S if stopped else 0.0)
         w.ranks.clean()
 
     def _check_ready(self) -> None:
@@ -425,7 +426,7 @@ class Daemon:
             return  # reaped earlier in this round (killed after a second SIGTERM)
         pid = w.proc.pid
         status = self._unwatch(w)
-        self._end_group(w)
+        self._end_group(w, stopped=self._stopping and status == 0)
         lived = time.monotonic() - w.started
         if self._stopping:
             log.info("worker %d (pid %d) %s", w.index, pid, "stopped" if status == 0 else describe_exit(status))

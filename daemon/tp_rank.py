@@ -4,8 +4,8 @@
         [the worker's runtime options: --model, --tp, --kv-cells, --dtype, ...]
 
 It takes the worker's very options, so every rank computes the same shard
-plan, pool shape and sequence limit. Exit 0 when the leader says stop, 3
-when the group broke (the daemon restarts it), 2 bad arguments.
+plan, pool shape and sequence limit. Exit 0 when the leader says stop,
+5 when the group broke (the daemon restarts it), 2 bad arguments.
 """
 
 from __future__ import annotations

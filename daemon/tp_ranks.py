@@ -17,6 +17,7 @@ import glob
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from superfluid.daemon.worker_exits import die_with_parent
 log = logging.getLogger("superfluid.daemon")
 
 KILL_WAIT_S = 5.0
+STOP_GRACE_S = 2.0  # a cleanly stopped leader's followers exit on its word within this
 
 
 @dataclasses.dataclass
@@ -92,10 +94,17 @@ class TpRanks:
             self.live.remove(rank)
         return rank.proc.wait()
 
-    def kill(self) -> list[Rank]:
-        """SIGKILL every live follower and reap it; those reaped (their pidfds closed)."""
+    def kill(self, grace_s: float = 0.0) -> list[Rank]:
+        """SIGKILL every live follower (those still there after `grace_s`: a
+        leader that stopped cleanly has told them to exit) and reap it; those
+        reaped (their pidfds closed)."""
         gone = []
+        deadline = time.monotonic() + grace_s
         for rank in list(self.live):
+            try:
+                rank.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
             rank.proc.kill()
             try:
                 rank.proc.wait(KILL_WAIT_S)

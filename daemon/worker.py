@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                   fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
                   host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases, state_dir=args.state_dir,
                   state_dir_bytes=state_bytes)
-    return Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
+    status = Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
+    runtime.close()  # a tensor-parallel leader tells its followers to stop (they exit 0)
+    return status
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ EXIT_REASONS = {
     2: "bad arguments, or a segment it cannot open",
     3: "the model would not load",
     4: "the model or its options can never be served: a restart would fail the same way",
+    5: "a tensor-parallel rank whose group broke",
     70: "the runtime failed fatally",
 }
 

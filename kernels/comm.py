@@ -200,6 +200,32 @@ class ShmComm:
                                     nbytes, ffi.cast("void *", out.data_ptr()), timeout_s, self._missing)
         self._end(rc, "all_gather", seq, timeout_s)
 
+    def c_calls(self, timeout_s: float) -> Any:
+        """An sf_tp_comm for C code that makes this comm's calls itself
+        (sf_forward_tp), each with timeout_s; give it back to c_calls_done."""
+        seq = self._begin()
+        return ffi.new("sf_tp_comm *", dict(seg=self._seg, world=self.world, rank=self.rank, seq=seq - 1,
+                                             timeout_s=_check_timeout(timeout_s)))
+
+    def c_calls_done(self, state: Any, rc: int, what: str) -> None:
+        """Count the calls the C code made; its failure (rc != 0) as this
+        comm's: the C code stopped between calls, so the comm is spent."""
+        self._seq = state.seq
+        if rc == 0:
+            return
+        ranks = _ranks(state.missing)
+        err: Exception
+        if rc in (lib.SF_COMM_TIMEOUT, lib.SF_COMM_TIMEOUT_SENT):
+            err = CommTimeout(f"rank {self.rank}: rank(s) {ranks} did not arrive within {state.timeout_s} s "
+                              f"at call {state.seq} ({what})", ranks, False)
+        elif rc == lib.SF_COMM_MISMATCH:
+            err = CommMismatch(f"rank {self.rank}: rank(s) {ranks} made another call than {what}'s at call "
+                               f"{state.seq}")
+        else:
+            err = RuntimeError(f"rank {self.rank}: {what} returned {rc} at call {state.seq}")
+        self._broken = str(err)
+        raise err
+
     def broadcast(self, data: bytes | None, timeout_s: float) -> bytes:
         """Rank 0 passes the bytes (<= slot_bytes), the others None; every
         rank returns rank 0's bytes."""

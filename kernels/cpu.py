@@ -351,6 +351,7 @@ class Stack:
             n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
             bf16=int(bf16 == {True}), eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
         self._pool = None
+        self.comm_s = 0.0
 
     def _attach(self, k_pools, v_pools) -> None:
         key = (k_pools[0].data_ptr(), v_pools[0].data_ptr())
@@ -387,4 +388,35 @@ class Stack:
         _check(lib.sf_forward(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
                               _f(parts), _threads()), "sf_forward")
+        return x
+
+    @_profiled
+    def forward_tp(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools, comm, timeout_s: float) -> torch.Tensor:
+        """forward on a tensor-parallel rank's shard: after each row-parallel
+        layer the pieces of every rank are gathered through `comm` (a
+        kernels.comm.ShmComm of comm.world ranks) and added in piece order.
+        comm's errors (CommTimeout: a rank died or stopped) as its calls';
+        self.comm_s: the seconds those gathers took."""
+        hidden, nh, nkv, hd, inter = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
+            raise ValueError(f"Stack.forward_tp: x must be contiguous float32 [n, {hidden}]")
+        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
+        self._attach(k_pools, v_pools)
+        n = x.shape[0]
+        if self.parts * n * hidden * 4 > comm.slot_bytes:
+            raise ValueError(f"Stack.forward_tp: {n} tokens' pieces exceed the comm's slots")
+        h = x.new_empty((n, max(hidden, nh * hd)))
+        qkv = x.new_empty((n, (nh + 2 * nkv) * hd))
+        att = x.new_empty((n, nh * hd))
+        gu = x.new_empty((n, 2 * inter))
+        act = x.new_empty((n, inter))
+        parts = x.new_empty((self.parts, n, hidden))
+        every = x.new_empty((comm.world * self.parts, n, hidden))
+        t = layout.tables
+        state = comm.c_calls(timeout_s)
+        rc = lib.sf_forward_tp(self.model, state, _f(x), n, _i64(layout.positions), _i64(layout.cells),
+                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
+                               _f(parts), _f(every), _threads())
+        comm.c_calls_done(state, rc, "sf_forward_tp")
+        self.comm_s = float(state.comm_s)
         return x

@@ -68,4 +68,21 @@ int sf_comm_all_gather(void *seg, int world, int rank, uint64_t seq, const void 
 int sf_comm_broadcast(void *seg, int world, int rank, uint64_t seq, const void *src, int64_t nbytes, void *out,
                       int64_t cap, int64_t *got, double timeout_s, uint64_t *missing);
 
+/* A tensor-parallel rank's forward (sf_tp.c): sf_forward on the rank's shard
+ * (m: its heads, KV heads, intermediate features, pieces), the row-parallel
+ * pieces gathered through the collective at seg. seq: the collective's last
+ * call, advanced by each call made; missing: as sf_comm_all_gather's;
+ * comm_s: seconds spent in those calls, added to. */
+typedef struct {
+    void *seg;
+    int world, rank;
+    uint64_t seq;
+    double timeout_s;
+    uint64_t missing;
+    double comm_s;
+} sf_tp_comm;
+int sf_forward_tp(const sf_model *m, sf_tp_comm *c, float *x, int n, const int64_t *pos, const int64_t *cells,
+                  const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
+                  float *gu, float *act, float *parts, float *every, int nthreads);
+
 #endif

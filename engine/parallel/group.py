@@ -210,8 +210,8 @@ class ShmGroup(Group):
             try:
                 got = self.comm.broadcast(first, wait_s or self.timeout_s)
                 break
-            except CommTimeout as e:
-                if data is not None or wait_s is None or alive is None or not alive():
+            except CommTimeout as e:  # retryable: nothing was sent, the same call may be made again
+                if data is not None or wait_s is None or alive is None or not e.retryable or not alive():
                     raise GroupFault(str(e)) from e
         (n,) = _LEN.unpack_from(got)
         parts = [got[_LEN.size:]]

@@ -133,7 +133,7 @@ def wait_ready(procs: list[subprocess.Popen], timeout_s: float) -> None:
 def rank_spec(path: str, tp: int, rank: int, init_method: str, shm_path: str, *, dtype: torch.dtype | None = None,
               max_seq_len: int | None = None, transport: str = "shm", threads: int = 1,
               timeout_s: float = DEFAULT_TIMEOUT_S, plain_reduce: bool = False, leader_pid: int = 0,
-              **pool_options: Any) -> RankSpec:
+              slot_bytes: int = SLOT_BYTES, **pool_options: Any) -> RankSpec:
     """Rank `rank`'s spec from load()'s options: every rank of a group
     computes the same pool shape and sequence limit from the same options."""
     from superfluid.engine.transformer import DEFAULT_KV_CELLS, DEFAULT_PAGE
@@ -151,12 +151,13 @@ def rank_spec(path: str, tp: int, rank: int, init_method: str, shm_path: str, *,
                     dtype=str(dtype or torch.float32).removeprefix("torch."),
                     max_seq_len=min(max_seq_len or limit, limit),
                     n_blocks=-(-pool_options.get("kv_cells", DEFAULT_KV_CELLS) // page) + 1, page=page,
-                    threads=threads, leader_pid=leader_pid, plain_reduce=plain_reduce)
+                    threads=threads, leader_pid=leader_pid, plain_reduce=plain_reduce, slot_bytes=slot_bytes)
 
 
 def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
             transport: str = "shm", threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-            plain_reduce: bool = False, join: tuple[str, str] | None = None, nnodes: int = 1, **pool_options: Any):
+            plain_reduce: bool = False, join: tuple[str, str] | None = None, nnodes: int = 1,
+            slot_bytes: int = SLOT_BYTES, **pool_options: Any):
     """A TransformerRuntime whose model runs on `tp` ranks, this process the
     leader. `join` (init method, shared-memory path): the followers are
     started by someone else (the daemons of `nnodes` machines) and meet
@@ -169,7 +170,7 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
         rdzv = tempfile.mkdtemp(prefix="sf-tp-")
         join = (f"file://{rdzv}/store", f"/dev/shm/sf-tp-{os.getpid()}-{secrets.token_hex(4)}")
     spec = rank_spec(path, tp, 0, *join, dtype=dtype, max_seq_len=max_seq_len, transport=transport, threads=threads,
-                     timeout_s=timeout_s, plain_reduce=plain_reduce, **pool_options)
+                     timeout_s=timeout_s, plain_reduce=plain_reduce, slot_bytes=slot_bytes, **pool_options)
     procs = spawn_followers(spec) if rdzv else []
     group: Group | None = None
     try:

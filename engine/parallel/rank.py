@@ -15,7 +15,7 @@ import sys
 
 from superfluid.engine.parallel.launch import RankSpec, join_group, load_shard
 
-EXIT_GROUP = 3
+EXIT_GROUP = 5  # daemon/worker_exits.py names it
 
 
 def run_follower(spec: RankSpec) -> int:

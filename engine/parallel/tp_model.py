@@ -97,6 +97,10 @@ class TpModel:
         cos, sin = rope_cos_sin(cfg, self.max_seq_len)
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
         self.scale = cfg.head_dim ** -0.5
+        # Every layer in one call into C where the group's transport is shared memory.
+        self.stack = cpu.Stack(self.layers, hidden=cfg.hidden_size, n_heads=self.n_heads, n_kv=self.n_kv,
+                               head_dim=cfg.head_dim, inter=len(shard.inter), eps=cfg.rms_norm_eps, scale=self.scale,
+                               cos=self.cos, sin=self.sin)
 
     @functools.cached_property
     def weight_bytes(self) -> int:
@@ -117,6 +121,36 @@ class TpModel:
         eps = cfg.rms_norm_eps
         self.stats.steps += 1
         x = self._embed(tokens)
+        comm = getattr(self.group, "comm", None)
+        if (comm is not None and not self.plain_reduce
+                and self.shard.local_parts * x.shape[0] * cfg.hidden_size * 4 <= comm.slot_bytes):
+            self._layers_fused(x, lay, k_cache, v_cache, comm)
+        else:
+            self._layers(x, lay, k_cache, v_cache)
+        if rows is not None:
+            x = x[rows]
+        logits = cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
+        return self._gather_vocab(logits)
+
+    def _layers_fused(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor, comm) -> None:
+        """Every layer in one call into C, the pieces gathered there (sf_forward_tp)."""
+        from superfluid.engine.parallel.group import GroupFault
+        from superfluid.kernels.comm import CommMismatch, CommTimeout
+
+        n_layers = len(self.layers)
+        ks = [heads_major(k_cache[i]) for i in range(n_layers)]
+        vs = [heads_major(v_cache[i]) for i in range(n_layers)]
+        try:
+            self.stack.forward_tp(x, lay, ks, vs, comm, self.group.timeout_s)
+        except (CommTimeout, CommMismatch) as e:
+            raise GroupFault(str(e)) from e
+        self.stats.collective_s += self.stack.comm_s
+
+    def _layers(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The layers one op at a time, the pieces gathered through the group
+        (gloo; or tensors past the shared-memory slots): sf_forward_tp's reference."""
+        cpu, cfg = self.cpu, self.cfg
+        eps = cfg.rms_norm_eps
         for li, L in enumerate(self.layers):
             h = cpu.rmsnorm(x, L.attn_norm, eps)
             qkv = cpu.linear(h, L.qkv)
@@ -126,10 +160,6 @@ class TpModel:
             self._reduce(cpu.linear_parts(a, L.o), x, L.o.bias)
             h = cpu.rmsnorm(x, L.mlp_norm, eps)
             self._reduce(cpu.linear_parts(cpu.silu_mul(cpu.linear(h, L.gate_up)), L.down), x, L.down.bias)
-        if rows is not None:
-            x = x[rows]
-        logits = cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
-        return self._gather_vocab(logits)
 
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()

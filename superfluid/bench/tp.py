@@ -14,7 +14,8 @@ each repeat, so drift in the machine's load hits all alike):
   prefill_tok_s, decode_tok_s      tokens / wall seconds of those steps
   collective_ms_per_step           tp2: the leader's time in all-gathers a decode step
   ship_ms_per_step                 tp2: the leader's time sending a step's inputs
-  rss_mb                           each rank's resident memory after the run
+  rss_mb                           each rank's resident memory after the run (each way runs in a
+                                   fresh process, its followers in theirs)
   scaling                          tp2_t1 / tp1_t1 and tp2_t1 / tp1_t2 decode tok/s
   identical                        every request's tokens the same three ways
 """
@@ -84,6 +85,15 @@ def _serve(path: str, tp: int, threads: int, prompts: np.ndarray, gen: int, tran
     return res
 
 
+def _isolated(path: str, tp: int, threads: int, prompts: np.ndarray, gen: int, transport: str) -> dict[str, Any]:
+    """_serve in a fresh process (spawned), so each way's RSS is its own."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_serve, path, tp, threads, prompts, gen, transport).result()
+
+
 def run(*, batches: tuple[int, ...] = BATCHES, prompt_len: int = 128, gen: int = 32, repeats: int = 3,
         layers: int | None = None, transport: str = "shm", log=lambda s: None) -> dict[str, Any]:
     from superfluid.bench.engine import checkpoint
@@ -105,7 +115,7 @@ def run(*, batches: tuple[int, ...] = BATCHES, prompt_len: int = 128, gen: int =
             order = list(WAYS) if r % 2 == 0 else list(reversed(WAYS))
             for way in order:
                 tp, threads = WAYS[way]
-                runs[way].append(_serve(path, tp, threads, prompts, gen, transport))
+                runs[way].append(_isolated(path, tp, threads, prompts, gen, transport))
                 log(f"B{b} {way} repeat {r}: decode {runs[way][-1]['decode_tok_s']:.1f} tok/s")
         row: dict[str, Any] = {}
         for way, rs in runs.items():

@@ -45,8 +45,12 @@ def _start(name: str, *extra: str, tp: int = 1) -> tuple[Daemon, threading.Threa
 
 
 def _stop(name: str, d: Daemon, loop: threading.Thread) -> None:
+    ranks = d._workers[0].ranks
+    procs = list(ranks.live) if ranks is not None else []
     d.stop()
     loop.join(30)
+    # A stop is a clean end for every rank: the leader tells its followers, which exit 0.
+    assert all(r.proc.returncode == 0 for r in procs), [r.proc.returncode for r in procs]
     assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"superfluid.{name}.")], "segments left"
     assert not live_workers(name), "worker processes left"
     assert not _ranks_alive(name), "tp ranks left"
@@ -110,11 +114,16 @@ def tp2():
 
 
 def test_tp2_worker_gives_tp1_tokens(tp2, baseline):
-    name, _ = tp2
+    name, d = tp2
     with Client.connect(name, 0, timeout=120) as c:
         assert c.parallel().tp == 2 and c.parallel().nnodes == 1
     got, restarts = _run(name)
     assert restarts == 0 and got == baseline
+    # Idle for several of the followers' liveness checks (one a second): the group stays up.
+    epoch = d.segments[0].epoch
+    time.sleep(3.5)
+    got, restarts = _run(name)
+    assert restarts == 0 and got == baseline and d.segments[0].epoch == epoch
 
 
 def _follower(d: Daemon) -> int:

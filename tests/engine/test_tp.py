@@ -82,6 +82,18 @@ def test_a_plain_all_reduce_changes_bits(tiny, runtimes):
     assert plain != _play(runtimes[1], script)
 
 
+def test_small_shared_memory_slots(tiny, runtimes):
+    """Steps whose pieces, logits and messages exceed the shared-memory slots
+    go in several rounds (and the layers one op at a time): the same bits."""
+    script = [[(0, list(range(5, 85))), (1, list(range(100, 140)))], [(0, [3]), (1, [4])]]
+    rt = load(tiny, tp=2, kv_cells=KV_CELLS, tp_options=dict(slot_bytes=4096))
+    try:
+        small = _play(rt, script)
+    finally:
+        rt.close()
+    assert small == _play(runtimes[1], script)
+
+
 def test_sampling_copies_and_exports_across_degrees(runtimes):
     """Sampled tokens, every-token rows, a copied prefix, and an export taken
     at TP=2 imported at TP=1 and TP=4: the same bits everywhere."""
