@@ -19,6 +19,9 @@ except ImportError:  # pragma: no cover - a build without the extension
     ffi = lib = None
 
 PANEL = 16
+# forward_tp gathers a rank's pieces this many bytes at a time (or its comm's slot, if smaller):
+# what every rank sends and gets back stays in cache.
+TP_CHUNK_BYTES = 512 << 10
 ISA_NAMES = {0: "scalar", 1: "avx2+fma"}
 
 
@@ -403,20 +406,25 @@ class Stack:
         _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
         self._attach(k_pools, v_pools)
         n = x.shape[0]
-        if self.parts * n * hidden * 4 > comm.slot_bytes:
-            raise ValueError(f"Stack.forward_tp: {n} tokens' pieces exceed the comm's slots")
+        chunk = min(comm.slot_bytes, TP_CHUNK_BYTES)
+        rows = max(1, chunk // (self.parts * hidden * 4))
+        if self.parts * hidden * 4 > comm.slot_bytes:
+            raise ValueError(f"Stack.forward_tp: one token's pieces ({self.parts * hidden * 4} bytes) exceed the "
+                             f"comm's slots ({comm.slot_bytes})")
         h = x.new_empty((n, max(hidden, nh * hd)))
         qkv = x.new_empty((n, (nh + 2 * nkv) * hd))
         att = x.new_empty((n, nh * hd))
         gu = x.new_empty((n, 2 * inter))
         act = x.new_empty((n, inter))
         parts = x.new_empty((self.parts, n, hidden))
-        every = x.new_empty((comm.world * self.parts, n, hidden))
+        stage = x.new_empty((self.parts, min(rows, n), hidden))
+        every = x.new_empty((comm.world * self.parts, min(rows, n), hidden))
         t = layout.tables
         state = comm.c_calls(timeout_s)
+        state.chunk_bytes = chunk
         rc = lib.sf_forward_tp(self.model, state, _f(x), n, _i64(layout.positions), _i64(layout.cells),
                                _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
-                               _f(parts), _f(every), _threads())
+                               _f(parts), _f(stage), _f(every), _threads())
         comm.c_calls_done(state, rc, "sf_forward_tp")
         self.comm_s = float(state.comm_s)
         return x

@@ -70,9 +70,11 @@ int sf_comm_broadcast(void *seg, int world, int rank, uint64_t seq, const void *
 
 /* A tensor-parallel rank's forward (sf_tp.c): sf_forward on the rank's shard
  * (m: its heads, KV heads, intermediate features, pieces), the row-parallel
- * pieces gathered through the collective at seg. seq: the collective's last
- * call, advanced by each call made; missing: as sf_comm_all_gather's;
- * comm_s: seconds spent in those calls, added to. */
+ * pieces gathered through the collective at seg, chunk_bytes (<= its slots)
+ * of this rank's at a time. seq: the collective's last call, advanced by
+ * each call made; missing: as sf_comm_all_gather's; comm_s: seconds spent
+ * in those calls, added to. Scratch: parts [m->parts][n][hidden], stage and
+ * every as sf_tp_chunk_rows rows of this rank's and every rank's pieces. */
 typedef struct {
     void *seg;
     int world, rank;
@@ -80,9 +82,10 @@ typedef struct {
     double timeout_s;
     uint64_t missing;
     double comm_s;
+    int64_t chunk_bytes;
 } sf_tp_comm;
 int sf_forward_tp(const sf_model *m, sf_tp_comm *c, float *x, int n, const int64_t *pos, const int64_t *cells,
                   const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
-                  float *gu, float *act, float *parts, float *every, int nthreads);
+                  float *gu, float *act, float *parts, float *stage, float *every, int nthreads);
 
 #endif

@@ -14,21 +14,44 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* This rank's pieces [m->parts][n][hidden] to every rank; every rank's in
- * `every` [world * m->parts][n][hidden], in piece order. */
-static int gather_parts(sf_tp_comm *c, const sf_model *m, int n, const float *parts, float *every) {
-    int64_t nbytes = (int64_t)m->parts * n * m->hidden * (int64_t)sizeof(float);
-    c->seq += 1;
-    double t0 = now_s();
-    int rc = sf_comm_all_gather(c->seg, c->world, c->rank, c->seq, parts, nbytes, every, c->timeout_s, &c->missing);
-    c->comm_s += now_s() - t0;
-    return rc;
+/* Rows of pieces a gather moves at once: the rank's pieces of `rows` tokens
+ * fit a slot and the chunk (what every rank sends stays in cache). */
+static long chunk_rows(const sf_tp_comm *c, const sf_model *m) {
+    long row = (long)m->parts * m->hidden * (long)sizeof(float), rows = c->chunk_bytes / row;
+    return rows < 1 ? 1 : rows;
+}
+
+/* x += every rank's pieces [m->parts][n][hidden] of this layer, added in piece
+ * order (then the bias), a chunk of rows at a time: this rank's pieces of the
+ * chunk to every rank (packed into `stage` unless the chunk is all of n),
+ * every rank's back in `every` [world * parts][rows][hidden], combined. */
+static int gather_combine(sf_tp_comm *c, const sf_model *m, int n, const float *parts, float *stage,
+                          float *every, const float *bias, float *x, int nthreads) {
+    int H = m->hidden, g = m->parts;
+    long rows = chunk_rows(c, m);
+    for (int t0 = 0; t0 < n; t0 += (int)rows) {
+        int r = n - t0 < rows ? n - t0 : (int)rows;
+        const float *src = parts;
+        if (r != n) {
+            for (int p = 0; p < g; p++)
+                memcpy(stage + (long)p * r * H, parts + ((long)p * n + t0) * H, sizeof(float) * (size_t)r * H);
+            src = stage;
+        }
+        c->seq += 1;
+        double t = now_s();
+        int rc = sf_comm_all_gather(c->seg, c->world, c->rank, c->seq, src, (int64_t)g * r * H * (int64_t)sizeof(float),
+                                    every, c->timeout_s, &c->missing);
+        c->comm_s += now_s() - t;
+        if (rc) return rc;
+        if (sf_combine(every, g * c->world, r, H, bias, x + (long)t0 * H, H, nthreads)) return -1;
+    }
+    return 0;
 }
 
 int sf_forward_tp(const sf_model *m, sf_tp_comm *c, float *x, int n, const int64_t *pos, const int64_t *cells,
                   const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
-                  float *gu, float *act, float *parts, float *every, int nthreads) {
-    int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd, g = m->parts, all = g * c->world;
+                  float *gu, float *act, float *parts, float *stage, float *every, int nthreads) {
+    int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd, g = m->parts;
     for (int l = 0; l < m->n_layers; l++) {
         const sf_layer *L = &m->layers[l];
         int rc = sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads);
@@ -38,15 +61,13 @@ int sf_forward_tp(const sf_model *m, sf_tp_comm *c, float *x, int n, const int64
                            m->page, m->scale, att, q, nthreads);
         rc |= sf_linear_parts(att, q, n, q / g, g, L->o, m->bf16, H, parts, nthreads);
         if (rc) return -1;
-        if ((rc = gather_parts(c, m, n, parts, every))) return rc;
-        rc |= sf_combine(every, all, n, H, L->o_b, x, H, nthreads);
+        if ((rc = gather_combine(c, m, n, parts, stage, every, L->o_b, x, nthreads))) return rc;
         rc |= sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads);
         rc |= sf_linear(h, H, n, H, L->gate_up, m->bf16, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0, nthreads);
         rc |= sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads);
         rc |= sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->bf16, H, parts, nthreads);
         if (rc) return -1;
-        if ((rc = gather_parts(c, m, n, parts, every))) return rc;
-        if (sf_combine(every, all, n, H, L->down_b, x, H, nthreads)) return -1;
+        if ((rc = gather_combine(c, m, n, parts, stage, every, L->down_b, x, nthreads))) return rc;
     }
     return 0;
 }

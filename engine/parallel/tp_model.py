@@ -123,7 +123,7 @@ class TpModel:
         x = self._embed(tokens)
         comm = getattr(self.group, "comm", None)
         if (comm is not None and not self.plain_reduce
-                and self.shard.local_parts * x.shape[0] * cfg.hidden_size * 4 <= comm.slot_bytes):
+                and self.shard.local_parts * cfg.hidden_size * 4 <= comm.slot_bytes):
             self._layers_fused(x, lay, k_cache, v_cache, comm)
         else:
             self._layers(x, lay, k_cache, v_cache)
@@ -148,7 +148,7 @@ class TpModel:
 
     def _layers(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The layers one op at a time, the pieces gathered through the group
-        (gloo; or tensors past the shared-memory slots): sf_forward_tp's reference."""
+        (gloo, or slots too small for a token's pieces): sf_forward_tp's reference."""
         cpu, cfg = self.cpu, self.cfg
         eps = cfg.rms_norm_eps
         for li, L in enumerate(self.layers):
