@@ -15,9 +15,13 @@ from __future__ import annotations
 import datetime
 import struct
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from superfluid.kernels.comm import ShmComm
 
 __all__ = ["GlooGroup", "GlooLink", "Group", "GroupFault", "ShmGroup", "SoloGroup"]
 
@@ -175,7 +179,7 @@ class ShmGroup(Group):
 
     transport = "shm"
 
-    def __init__(self, comm, link: GlooLink, timeout_s: float):
+    def __init__(self, comm: ShmComm, link: GlooLink, timeout_s: float):
         self.comm, self.link = comm, link
         self.rank, self.world = comm.rank, comm.world
         self.timeout_s = timeout_s

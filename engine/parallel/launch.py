@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from superfluid.engine.parallel.group import GlooGroup, GlooLink, Group, GroupFa
 from superfluid.engine.parallel.sharding import Shard
 from superfluid.engine.parallel.tp_model import TpModel
 from superfluid.engine.weights import load_weights
+
+if TYPE_CHECKING:
+    from superfluid.engine.transformer import TransformerRuntime
 
 __all__ = ["TRANSPORTS", "RankSpec", "join_group", "load_shard", "load_tp", "spawn_followers"]
 
@@ -102,7 +105,7 @@ def _pdeathsig() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def spawn_followers(base: RankSpec) -> list[subprocess.Popen]:
+def spawn_followers(base: RankSpec) -> list[subprocess.Popen[bytes]]:
     """Ranks 1..world-1 as processes of this one, killed if it dies."""
     procs = []
     for r in range(1, base.world):
@@ -112,7 +115,7 @@ def spawn_followers(base: RankSpec) -> list[subprocess.Popen]:
     return procs
 
 
-def wait_ready(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_ready(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
     """Every follower said "ready" (GroupFault naming the one that exited or
     stayed silent instead)."""
     deadline = time.monotonic() + timeout_s
@@ -157,7 +160,7 @@ def rank_spec(path: str, tp: int, rank: int, init_method: str, shm_path: str, *,
 def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
             transport: str = "shm", threads: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
             plain_reduce: bool = False, join: tuple[str, str] | None = None, nnodes: int = 1,
-            slot_bytes: int = SLOT_BYTES, **pool_options: Any):
+            slot_bytes: int = SLOT_BYTES, **pool_options: Any) -> TransformerRuntime:
     """A TransformerRuntime whose model runs on `tp` ranks, this process the
     leader. `join` (init method, shared-memory path): the followers are
     started by someone else (the daemons of `nnodes` machines) and meet
@@ -203,10 +206,10 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
     tokenizer_json, specials = _tokenizer(os.fspath(path))
     cfg = model.cfg
     leader = LeaderModel(model, close_group)
-    rt = TransformerRuntime(leader, specials=specials, tokenizer_json=tokenizer_json,  # type: ignore[arg-type]
+    rt = TransformerRuntime(leader, specials=specials, tokenizer_json=tokenizer_json,
                             runtime_id=f"{cfg.arch}-torch", **pool_options)
     rt.desc = dataclasses.replace(rt.desc, tp=tp, nnodes=nnodes)
-    rt.followers = procs  # type: ignore[attr-defined]
+    rt.followers = procs
     return rt
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from superfluid.engine.parallel.group import GroupFault
 from superfluid.engine.parallel.tp_model import TpModel
 from superfluid.engine.parallel.wire import Op, decode, encode
 from superfluid.engine.runtime import FatalError
+from superfluid.kernels.cpu import StepLayout
 
 __all__ = ["LeaderModel", "LeaderPool", "follow"]
 
@@ -73,7 +75,7 @@ class LeaderModel:
             raise FatalError(f"tensor-parallel group: {e}") from e
         self.stats.ship_s += time.perf_counter() - t0
 
-    def forward(self, tokens: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, lay: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rows: torch.Tensor | None) -> torch.Tensor:
         arrays = {"tokens": tokens.numpy(), "positions": lay.positions.numpy(), "cells": lay.cells.numpy(),
                   "feed_of": lay.feed_of.numpy(), "tables": lay.tables.numpy()}
@@ -102,7 +104,7 @@ class LeaderPool(KVPool):
     """The leader's pool: its own heads' tensors, and every change to them
     queued for the followers', whose heads the same block ids address."""
 
-    def __init__(self, leader: LeaderModel, *args, **kwargs):
+    def __init__(self, leader: LeaderModel, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.leader = leader
 
@@ -174,8 +176,6 @@ def apply(op: Op, tp: TpModel, pool: KVPool) -> bool:
     elif op.kind == "read":
         gather_heads(pool, tp, torch.from_numpy(a["blocks"].copy()), torch.from_numpy(a["offsets"].copy()))
     elif op.kind == "step":
-        from superfluid.kernels.cpu import StepLayout
-
         t = {k: torch.from_numpy(v.copy()) for k, v in a.items()}
         lay = StepLayout(t["positions"], t["cells"], t["feed_of"], t["tables"], op.ints["page"])
         tp.forward_local(t["tokens"], lay, pool.k, pool.v, t.get("rows"))

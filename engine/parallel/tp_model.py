@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,10 @@ from superfluid.engine.parallel.sharding import Shard, vocab_ranges
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import heads_major
 from superfluid.kernels.backend import CpuBackend
+from superfluid.kernels.cpu import StepLayout
+
+if TYPE_CHECKING:
+    from superfluid.kernels.comm import ShmComm
 
 __all__ = ["TpModel", "TpStats"]
 
@@ -53,7 +58,7 @@ class TpModel:
         if group.world != shard.world or group.rank != shard.rank:
             raise ValueError(f"a shard of rank {shard.rank}/{shard.world} in a group's rank {group.rank}/{group.world}")
         self.cfg, self.shard, self.group = cfg, shard, group
-        self.backend = CpuBackend()
+        self.backend = CpuBackend()  # type: ignore[no-untyped-call]
         cpu = self.cpu = self.backend.cpu
         self.device = torch.device("cpu")
         self.dtype = dtype
@@ -108,12 +113,12 @@ class TpModel:
         for L in self.layers:
             total += sum(getattr(L, n).nbytes for n in ("qkv", "o", "gate_up", "down"))
             total += sum(t.numel() * 4 for t in (L.attn_norm, L.mlp_norm, L.q_norm, L.k_norm) if t is not None)
-        return total
+        return int(total)
 
     # ------------------------------------------------------------ the pass
 
     @torch.inference_mode()
-    def forward_local(self, tokens: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward_local(self, tokens: torch.Tensor, lay: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       rows: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's part of a step (every rank calls it with the same
         inputs): the logits [rows, vocab] on the leader, None elsewhere."""
@@ -132,7 +137,8 @@ class TpModel:
         logits = cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
         return self._gather_vocab(logits)
 
-    def _layers_fused(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor, comm) -> None:
+    def _layers_fused(self, x: torch.Tensor, lay: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      comm: ShmComm) -> None:
         """Every layer in one call into C, the pieces gathered there (sf_forward_tp)."""
         from superfluid.engine.parallel.group import GroupFault
         from superfluid.kernels.comm import CommMismatch, CommTimeout
@@ -146,7 +152,7 @@ class TpModel:
             raise GroupFault(str(e)) from e
         self.stats.collective_s += self.stack.comm_s
 
-    def _layers(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def _layers(self, x: torch.Tensor, lay: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The layers one op at a time, the pieces gathered through the group
         (gloo, or slots too small for a token's pieces): sf_forward_tp's reference."""
         cpu, cfg = self.cpu, self.cfg
@@ -171,7 +177,8 @@ class TpModel:
         """Each token's embedding row, copied whole from the rank holding it."""
         v = self.shard.vocab
         if self.shard.world == 1:
-            return self.cpu.embed(self.embed, tokens)
+            out: torch.Tensor = self.cpu.embed(self.embed, tokens)
+            return out
         mine = (tokens >= v.start) & (tokens < v.stop)
         x = torch.zeros((tokens.shape[0], self.cfg.hidden_size), dtype=torch.float32)
         if bool(mine.any()):

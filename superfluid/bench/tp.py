@@ -16,7 +16,8 @@ each repeat, so drift in the machine's load hits all alike):
   ship_ms_per_step                 tp2: the leader's time sending a step's inputs
   rss_mb                           each rank's resident memory after the run (each way runs in a
                                    fresh process, its followers in theirs)
-  scaling                          tp2_t1 / tp1_t1 and tp2_t1 / tp1_t2 decode tok/s
+  scaling                          tp2_t1 / tp1_t1 and tp2_t1 / tp1_t2 tok/s (also at the top
+                                   level by batch: decode_tp2_vs_tp1_t1, prefill_tp2_vs_tp1_t2, ...)
   identical                        every request's tokens the same three ways
 """
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,7 +97,8 @@ def _isolated(path: str, tp: int, threads: int, prompts: np.ndarray, gen: int, t
 
 
 def run(*, batches: tuple[int, ...] = BATCHES, prompt_len: int = 128, gen: int = 32, repeats: int = 3,
-        layers: int | None = None, transport: str = "shm", log=lambda s: None) -> dict[str, Any]:
+        layers: int | None = None, transport: str = "shm",
+        log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     from superfluid.bench.engine import checkpoint
     from superfluid.engine.tiny import SMALL
 
@@ -135,6 +138,9 @@ def run(*, batches: tuple[int, ...] = BATCHES, prompt_len: int = 128, gen: int =
         }
         out["batches"][str(b)] = row
     out["identical"] = identical
+    for key in ("tp2_vs_tp1_t1", "tp2_vs_tp1_t2", "prefill_tp2_vs_tp1_t1", "prefill_tp2_vs_tp1_t2"):
+        name = key if key.startswith("prefill") else "decode_" + key
+        out[name] = {b: row["scaling"][key] for b, row in out["batches"].items()}
     out["targets"] = {
         "tp2_vs_tp1_t1_at_B32_ge_1.6": _target(out, "32", "tp2_vs_tp1_t1", 1.6),
         "tp2_vs_tp1_t2_at_B1_ge_0.9": _target(out, "1", "tp2_vs_tp1_t2", 0.9),
@@ -163,7 +169,7 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("tp", help="tensor parallelism: TP=2 vs TP=1 at 1 and 2 threads", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as JSON only")

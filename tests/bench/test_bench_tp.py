@@ -31,6 +31,7 @@ def test_bench_tp_keys(tmp_path, monkeypatch, capsys):
         assert two["collective_ms_per_step"] > 0 and two["ship_ms_per_step"] > 0
         assert set(row["scaling"]) == {"tp2_vs_tp1_t1", "tp2_vs_tp1_t2", "prefill_tp2_vs_tp1_t1",
                                        "prefill_tp2_vs_tp1_t2"}
+    assert set(res["decode_tp2_vs_tp1_t2"]) == {"1", "3"}
     assert set(res["targets"]) == {"tp2_vs_tp1_t1_at_B32_ge_1.6", "tp2_vs_tp1_t2_at_B1_ge_0.9",
                                    "tp2_vs_tp1_t2_at_B32_ge_0.9"}
     assert len(res["load"]["loadavg_before"]) == 3
