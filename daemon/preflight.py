@@ -116,8 +116,12 @@ def check(args: argparse.Namespace, machine: Machine | None = None) -> Checked:
                       f"({size(machine.ram_bytes)})")
     if args.fake and args.tp > 1:
         raise Refused(f"--tp {args.tp}: the fake runtime runs on one process")
-    if args.workers * args.tp > OVERSUBSCRIBED * machine.cores:
-        raise Refused(f"--tp {args.tp}: {args.workers} worker(s) of {args.tp} rank processes each, more than "
+    if args.nnodes > 1 and args.workers > 1:
+        raise Refused(f"--workers {args.workers}: a group across machines (--nnodes {args.nnodes}) is one worker "
+                      f"(its ranks meet at the one --master-port)")
+    here = args.tp // max(1, args.nnodes)  # rank processes a worker runs on this machine
+    if args.workers * here > OVERSUBSCRIBED * machine.cores:
+        raise Refused(f"--tp {args.tp}: {args.workers} worker(s) of {here} rank processes each here, more than "
                       f"{OVERSUBSCRIBED} per core of the {machine.cores} this machine gives the daemon")
     vocab = args.fake_vocab
     if not args.fake:

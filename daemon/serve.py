@@ -120,11 +120,14 @@ def main(args: argparse.Namespace) -> int:
     if args.node_rank > 0:  # another machine's share of the --tp ranks: no segment, no worker
         from superfluid.daemon.tp_node import serve_ranks
         from superfluid.daemon.worker import runtime_options
+        from superfluid.engine.sizing import plan_load
 
         try:
-            if args.fake or runtime_options(args, args.model).get("tp", 1) == 1:
+            options = {} if args.fake else runtime_options(args, args.model)
+            if options.get("tp", 1) == 1:
                 raise ValueError(f"--node-rank {args.node_rank}: a machine past node 0 runs --tp ranks of a model")
-        except ValueError as e:
+            plan_load(args.model, args.backend, **options)  # what node 0 checks: the degree, the checkpoint
+        except (OSError, ValueError) as e:
             print(f"superfluid serve: {e}", file=sys.stderr)
             return 2
         return serve_ranks(args, runtime_argv(args))

@@ -364,18 +364,25 @@ class Daemon:
         log.info("worker %d started: pid %d, epoch %d", w.index, proc.pid, w.epoch)
         if w.ranks is not None:
             try:
-                for rank in w.ranks.start(w, proc.pid):
-                    self._loop.watch(rank.pidfd, rank)
+                w.ranks.start(w, proc.pid, self._watch_rank)
             except (OSError, subprocess.SubprocessError) as e:  # the leader alone cannot serve: restart the group
                 log.error("worker %d: cannot start its tp ranks: %s", w.index, e)
                 proc.kill()
+
+    def _watch_rank(self, rank: Rank) -> None:
+        assert self._loop is not None
+        self._loop.watch(rank.pidfd, rank)
+        rank.watched = True
 
     def _rank_exited(self, rank: Rank) -> None:
         """A follower ended: the group it belongs to cannot go on (fail-stop),
         so its leader is killed, and the leader's exit restarts the group."""
         w = rank.worker
         assert self._loop is not None and w.ranks is not None
+        if not rank.watched:
+            return  # reaped earlier in this round, with its leader's group
         self._loop.unwatch(rank.pidfd)
+        rank.watched = False
         pid = rank.proc.pid
         status = w.ranks.reaped(rank)
         if self._stopping or rank.epoch != w.epoch or w.proc is None:
@@ -392,7 +399,9 @@ class Daemon:
             return
         assert self._loop is not None
         for rank in w.ranks.live:
-            self._loop.unwatch(rank.pidfd)
+            if rank.watched:
+                self._loop.unwatch(rank.pidfd)
+                rank.watched = False
         w.ranks.kill(STOP_GRACE_S if stopped else 0.0)
         w.ranks.clean()
 

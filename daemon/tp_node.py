@@ -6,13 +6,17 @@ the leader at --master-addr:--master-port through gloo. The group is
 fail-stop across machines too: a rank here that exits (its group broke: the
 leader restarted, a rank elsewhere died) ends every rank here, and they all
 start again to join the leader's next group; one that dies makes the
-leader's next collective fail, which restarts the group on node 0. SIGTERM
-or SIGINT ends the ranks and this process.
+leader's next collective fail, which restarts the group on node 0. Restarts
+back off as the daemon's do (--restart-backoff, --restart-backoff-max), and
+after --crash-loop N/WINDOW failures this process gives up (exit 1): a rank
+that can never run here must not spin. SIGTERM or SIGINT ends the ranks and
+this process (exit 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import select
@@ -21,11 +25,11 @@ import subprocess
 import sys
 import time
 
+from superfluid.daemon.supervisor import restart_delay
 from superfluid.daemon.worker_exits import describe_exit, die_with_parent
 
 log = logging.getLogger("superfluid.daemon")
 
-RESTART_S = 0.5  # between a broken group's end here and its ranks' start
 
 
 def ranks_of(args: argparse.Namespace) -> range:
@@ -46,6 +50,8 @@ def serve_ranks(args: argparse.Namespace, worker_args: list[str]) -> int:
     log.info("node %d of %d: tp ranks %d..%d of %d, leader at %s:%d", args.node_rank, args.nnodes, ranks.start,
              ranks.stop - 1, args.tp, args.master_addr, args.master_port)
     group = 0
+    failures: collections.deque[float] = collections.deque()
+    n_fail, window = args.crash_loop
     while not stop["now"]:
         group += 1
         procs = {}
@@ -71,7 +77,15 @@ def serve_ranks(args: argparse.Namespace, worker_args: list[str]) -> int:
             os.close(fd)
             if ended is not None and r == ended[0]:
                 log.warning("tp rank %d (pid %d) %s: restarting this node's ranks", r, p.pid, describe_exit(status))
-        if not stop["now"]:
-            time.sleep(RESTART_S)
+        if stop["now"]:
+            break
+        now = time.monotonic()
+        failures.append(now)
+        while failures and failures[0] < now - window:
+            failures.popleft()
+        if len(failures) >= n_fail:
+            log.error("this node's ranks failed %d times in %g s; giving up", len(failures), window)
+            return 1
+        time.sleep(restart_delay(len(failures), args.restart_backoff, args.restart_backoff_max))
     log.info("node %d stopped", args.node_rank)
     return 0

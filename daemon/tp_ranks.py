@@ -18,7 +18,7 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from superfluid.daemon.worker_exits import die_with_parent
@@ -38,6 +38,7 @@ class Rank:
     epoch: int
     proc: subprocess.Popen[bytes]
     pidfd: int
+    watched: bool = False  # the daemon's event loop has its pidfd
 
 
 class TpRanks:
@@ -65,9 +66,10 @@ class TpRanks:
         self.epoch = epoch
         return ["--tp-init", f"file://{self.store(epoch)}", "--tp-shm", self.shm(epoch)]
 
-    def start(self, worker: Any, leader_pid: int) -> list[Rank]:
-        """The followers of the leader `leader_pid`; each dies with the daemon."""
-        started = []
+    def start(self, worker: Any, leader_pid: int, watch: Callable[[Rank], None]) -> None:
+        """The followers of the leader `leader_pid`, each handed to `watch` as
+        it starts (so a failure to start the next leaves none unwatched); each
+        dies with the daemon."""
         for r in range(1, self.local):
             cmd = [self.python, "-P", "-m", "superfluid.daemon.tp_rank", "--rank", str(r),
                    "--leader-pid", str(leader_pid), "--tp-init", f"file://{self.store(self.epoch)}",
@@ -81,10 +83,9 @@ class TpRanks:
                 proc.wait()
                 raise
             rank = Rank(worker, r, self.epoch, proc, pidfd)
-            started.append(rank)
             self.live.append(rank)
+            watch(rank)
             log.info("worker %d: tp rank %d started: pid %d, epoch %d", worker.index, r, proc.pid, self.epoch)
-        return started
 
     def reaped(self, rank: Rank) -> int:
         """A follower's exit status, once its pidfd said it exited (closes the pidfd)."""

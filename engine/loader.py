@@ -52,7 +52,7 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
         return _load_mamba2(path, backend, dev, dtype, invariant, max_seq_len, pool_options)
     cfg = load_config(path)
     if tp != 1:
-        if backend != "torch" or dev.type != "cpu" or not cpu_kernels_in_use(backend, invariant, dev):
+        if not cpu_kernels_in_use(backend, invariant, dev):
             raise TpError(f"--tp {tp}: tensor parallelism runs on the CPU kernels (backend torch on a CPU with "
                           f"the kernels built), not backend {backend!r} on {dev.type}")
         from superfluid.engine.parallel.launch import load_tp

@@ -64,11 +64,20 @@ def plan_load(path: str | os.PathLike, backend: str = "torch", *, device: str | 
     cfg = load_config(path)
     if tp != 1:
         Shard.plan(cfg, tp)
+        from superfluid.kernels.backend import cpu_kernels_in_use
+
+        if not cpu_kernels_in_use(backend, invariant, dev):
+            raise TpError(f"--tp {tp}: tensor parallelism runs on the CPU kernels (backend torch on a CPU with "
+                          f"the kernels built), not backend {backend!r} on {dev.type}")
     check_weights(path, cfg)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else cfg.dtype
-    return _plan_transformer(cfg, backend, invariant, dev, dtype, max_seq_len, pool_options,
-                             os.path.join(path, "config.json"))
+    needs = _plan_transformer(cfg, backend, invariant, dev, dtype, max_seq_len, pool_options,
+                              os.path.join(path, "config.json"))
+    if tp > cfg.num_kv_heads:  # each rank holds its query heads' KV head: the pool tp / kv_heads times over
+        times = tp // cfg.num_kv_heads
+        needs = [dataclasses.replace(n, nbytes=n.nbytes * times) if n.what == "the KV pool" else n for n in needs]
+    return needs
 
 
 def _elem(dtype: torch.dtype) -> int:

@@ -28,6 +28,9 @@ __all__ = ["GlooGroup", "GlooLink", "Group", "GroupFault", "ShmGroup", "SoloGrou
 _LEN = struct.Struct("<q")
 
 
+IDLE_TIMEOUT = datetime.timedelta(days=7)  # a follower's wait for the next step (it checks its leader)
+
+
 class GroupFault(RuntimeError):
     """A collective did not complete: a rank died, stopped or left."""
 
@@ -92,22 +95,29 @@ class GlooLink:
         else:
             raise ValueError(f"init method {init_method!r}: expected file://PATH or tcp://HOST:PORT")
         self.rank, self.world = rank, world
-        try:
-            self.idle = dist.ProcessGroupGloo(dist.PrefixStore("idle", self.store), rank, world,
-                                              datetime.timedelta(days=7))
+        try:  # joining is bounded by the load timeout; barrier() then sets the groups' own
+            self.idle = dist.ProcessGroupGloo(dist.PrefixStore("idle", self.store), rank, world, load)
             self.steps = dist.ProcessGroupGloo(dist.PrefixStore("steps", self.store), rank, world, load)
         except RuntimeError as e:
             raise GroupFault(f"joining the group as rank {rank} of {world}: {e}") from e
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.load_timeout = load
 
-    def barrier(self) -> None:
-        """Every rank got here (within the load timeout), then the step timeout holds."""
+    def barrier(self, digest: bytes = b"") -> None:
+        """Every rank got here (within the load timeout) with the same `digest`
+        (of what it loaded and how: GroupFault naming the ranks that differ);
+        then the step timeout holds, and a follower may wait a week between steps."""
+        mine = torch.frombuffer(bytearray(digest.ljust(32, b"\0")[:32]), dtype=torch.uint8)
         try:
-            self.steps.barrier().wait()
-        except RuntimeError as e:
+            every = self.all_gather(mine)
+        except GroupFault as e:
             raise GroupFault(f"gloo barrier: {e}") from e
+        differ = [r for r in range(self.world) if not torch.equal(every[r], every[0])]
+        if differ:
+            raise GroupFault(f"tp rank(s) {differ} loaded another checkpoint or options than rank 0 "
+                             f"(every rank must be given the same --model and runtime options)")
         self.steps.set_timeout(self.timeout)
+        self.idle.set_timeout(IDLE_TIMEOUT)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()

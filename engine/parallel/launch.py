@@ -10,20 +10,19 @@ shard of the weights (load_weights with a Shard).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
 import select
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from superfluid.engine.config import load_config
+from superfluid.engine.config import ModelConfig, load_config
 from superfluid.engine.parallel.group import GlooGroup, GlooLink, Group, GroupFault, ShmGroup
 from superfluid.engine.parallel.sharding import Shard
 from superfluid.engine.parallel.tp_model import TpModel
@@ -32,7 +31,7 @@ from superfluid.engine.weights import load_weights
 if TYPE_CHECKING:
     from superfluid.engine.transformer import TransformerRuntime
 
-__all__ = ["TRANSPORTS", "RankSpec", "join_group", "load_shard", "load_tp", "spawn_followers"]
+__all__ = ["TRANSPORTS", "RankSpec", "build_model", "digest", "join_group", "load_tp", "read_shard", "spawn_followers"]
 
 TRANSPORTS = ("shm", "gloo")
 DEFAULT_TIMEOUT_S = 10.0  # a collective that waits longer: a rank died or stopped
@@ -73,6 +72,7 @@ def join_group(spec: RankSpec) -> Group:
         return GlooGroup(link)
     from superfluid.kernels.comm import ShmComm
 
+    comm = None
     try:
         if spec.rank == 0:
             comm = ShmComm.create(spec.shm_path, spec.world, spec.slot_bytes)
@@ -80,38 +80,64 @@ def join_group(spec: RankSpec) -> Group:
         else:
             link.all_reduce(torch.zeros(1))
             comm = ShmComm.attach(spec.shm_path, spec.world, spec.rank, spec.slot_bytes, spec.timeout_s)
+        link.all_reduce(torch.zeros(1))  # every rank has it mapped: its name can go
+        if spec.rank == 0:
+            os.unlink(spec.shm_path)
     except BaseException:
+        if comm is not None:
+            comm.close()
         link.close()
         raise
     return ShmGroup(comm, link, spec.timeout_s)
 
 
-def load_shard(spec: RankSpec, group: Group) -> TpModel:
+def digest(spec: RankSpec) -> bytes:
+    """What every rank must agree on: the options that shape the shard and the
+    pool, and the checkpoint's config (GlooLink.barrier compares them)."""
+    from superfluid.engine.checkpoint import read_text
+
+    # Not the path (another machine may keep the checkpoint elsewhere): the config's text instead.
+    mine = ("path", "rank", "leader_pid", "shm_path", "threads")
+    same = {k: v for k, v in dataclasses.asdict(spec).items() if k not in mine}
+    text = json.dumps(same, sort_keys=True) + read_text(os.path.join(spec.path, "config.json"))
+    return hashlib.sha256(text.encode()).digest()
+
+
+@dataclasses.dataclass
+class ShardWeights:
+    """A rank's weights, read before it joins its group (a slow or failing load
+    is seen by the leader before anyone waits in a collective)."""
+
+    cfg: ModelConfig
+    shard: Shard
+    dtype: torch.dtype
+    weights: dict[str, torch.Tensor]
+
+
+def read_shard(spec: RankSpec) -> ShardWeights:
     from superfluid.kernels import cpu
 
     cpu.own_threads(spec.threads)
     cfg = load_config(spec.path)
     shard = Shard.plan(cfg, spec.world, spec.rank)
     dtype = getattr(torch, spec.dtype)
-    weights = load_weights(spec.path, cfg, dtype=dtype, shard=shard)
-    return TpModel(cfg, weights, shard, group, dtype=dtype, max_seq_len=spec.max_seq_len,
+    return ShardWeights(cfg, shard, dtype, load_weights(spec.path, cfg, dtype=dtype, shard=shard))
+
+
+def build_model(spec: RankSpec, read: ShardWeights, group: Group) -> TpModel:
+    return TpModel(read.cfg, read.weights, read.shard, group, dtype=read.dtype, max_seq_len=spec.max_seq_len,
                    plain_reduce=spec.plain_reduce)
 
 
-def _pdeathsig() -> None:
-    """In the child: SIGKILL when the parent dies (no follower outlives its leader)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 def spawn_followers(base: RankSpec) -> list[subprocess.Popen[bytes]]:
-    """Ranks 1..world-1 as processes of this one, killed if it dies."""
+    """Ranks 1..world-1 as processes of this one. They end within a second of
+    their leader's end (follow() checks that it lives; no PR_SET_PDEATHSIG:
+    that fires when the spawning *thread* ends)."""
     procs = []
     for r in range(1, base.world):
         spec = dataclasses.replace(base, rank=r, leader_pid=os.getpid())
         procs.append(subprocess.Popen([sys.executable, "-P", "-m", "superfluid.engine.parallel.rank", spec.to_json()],
-                                      stdout=subprocess.PIPE, preexec_fn=_pdeathsig))
+                                      stdout=subprocess.PIPE))
     return procs
 
 
@@ -128,6 +154,8 @@ def wait_ready(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
         for fd in ready:
             r, p = waiting.pop(fd)
             line = p.stdout.readline() if p.stdout else b""
+            if p.stdout is not None:
+                p.stdout.close()
             if line.strip() != b"ready":
                 p.wait(5)
                 raise GroupFault(f"tp rank {r} exited with status {p.returncode} while loading")
@@ -168,26 +196,25 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
     from superfluid.engine.parallel.ranks import LeaderModel
     from superfluid.engine.transformer import TransformerRuntime
 
-    rdzv = None
-    if join is None:
-        rdzv = tempfile.mkdtemp(prefix="sf-tp-")
-        join = (f"file://{rdzv}/store", f"/dev/shm/sf-tp-{os.getpid()}-{secrets.token_hex(4)}")
+    spawn = join is None
+    if join is None:  # a TCP store on a free port of this machine: no file to leave behind
+        join = (f"tcp://127.0.0.1:{_free_port()}", f"/dev/shm/sf-tp-{os.getpid()}-{secrets.token_hex(4)}")
     spec = rank_spec(path, tp, 0, *join, dtype=dtype, max_seq_len=max_seq_len, transport=transport, threads=threads,
                      timeout_s=timeout_s, plain_reduce=plain_reduce, slot_bytes=slot_bytes, **pool_options)
-    procs = spawn_followers(spec) if rdzv else []
+    procs = spawn_followers(spec) if spawn else []
     group: Group | None = None
     try:
+        read = read_shard(spec)
+        wait_ready(procs, LOAD_TIMEOUT_S)  # each loaded its shard (or exited: named), then joins
         group = join_group(spec)
-        model = load_shard(spec, group)
-        wait_ready(procs, LOAD_TIMEOUT_S)
-        group.link.barrier()  # every rank loaded (the daemon watches those it started)
+        model = build_model(spec, read, group)
+        group.link.barrier(digest(spec))  # every rank joined, with the same checkpoint and options
     except BaseException:
         for p in procs:
             p.kill()
             p.wait()
         if group is not None:
             group.close()
-        _remove(rdzv)
         raise
 
     def close_group() -> None:
@@ -199,7 +226,6 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        _remove(rdzv)
 
     from superfluid.engine.loader import _tokenizer
 
@@ -213,9 +239,10 @@ def load_tp(path: str, tp: int, *, dtype: torch.dtype | None = None, max_seq_len
     return rt
 
 
-def _remove(rdzv: str | None) -> None:
-    if rdzv is None:
-        return
-    for name in os.listdir(rdzv):
-        os.unlink(os.path.join(rdzv, name))
-    os.rmdir(rdzv)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

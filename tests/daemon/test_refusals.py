@@ -194,6 +194,11 @@ def test_a_good_checkpoint_passes_the_same_checks(ckpt, seg_name, tmp_path):
     (["--prefill-step-tokens", str(10**12)], "--prefill-step-tokens"),
     (["--name", "bad/name"], "--name"),
     (["--name", "x" * 40], "--name"),
+    (["--tp", "3"], "--tp 3"),  # the tiny model's 4 heads do not split into 3
+    (["--fake", "--tp", "2"], "--tp 2"),
+    (["--tp", "2", "--nnodes", "3", "--master-addr", "127.0.0.1"], "--nnodes 3"),
+    (["--tp", "2", "--nnodes", "2"], "--master-addr"),
+    (["--tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2"),
 ])
 def test_a_size_the_machine_cannot_hold_is_refused_naming_its_option(args, named, healthy, seg_name):
     by_argparse = {"--name", "--max-seqs", "--prefill-step-tokens"} & set(args)
@@ -212,6 +217,8 @@ def test_a_state_pool_larger_than_the_machine_is_refused(tmp_path, seg_name):
     m2 = write_tiny(tmp_path / "m2", arch="mamba2", seed=1)
     line = serve_refused(seg_name, "--model", str(m2), "--state-bytes", str(10**15))
     assert "--state-bytes 1000000000000000" in line and "state pool" in line, line
+    line = serve_refused(seg_name, "--model", str(m2), "--tp", "2")
+    assert "--tp 2" in line and "Mamba2" in line, line
 
 
 def test_a_metrics_port_that_cannot_be_had_is_refused(seg_name):

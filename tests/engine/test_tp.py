@@ -5,6 +5,7 @@ threads; a plain all-reduce (the negative control) changes them."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -160,6 +161,54 @@ def test_shards_and_refusals(tiny, tmp_path):
         load(mamba, tp=2)
     with pytest.raises(TpError, match="--tp 3"):
         load(tiny, tp=3)
+    with pytest.raises(TpError, match=r"--tp 2.*backend 'triton'"):
+        load(tiny, "triton", tp=2)
+
+
+LEADER = """
+import sys, time
+from superfluid.engine import Feed, load
+rt = load(sys.argv[1], tp=2, kv_cells=256)
+s = rt.seq_create()
+rt.step([Feed(s, [1, 2, 3], True)])
+print(" ".join(str(p.pid) for p in rt.followers), flush=True)
+time.sleep(600)
+"""
+
+
+def test_followers_end_by_themselves_when_their_leader_dies(tiny, tmp_path):
+    """No daemon to kill them: a follower sees its leader gone (it checks
+    every second between steps) and exits; nothing is left in /dev/shm."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("sf-tp-")}
+    leader = subprocess.Popen([sys.executable, "-P", "-c", LEADER, tiny], stdout=subprocess.PIPE, text=True)
+    try:
+        line = leader.stdout.readline() if leader.stdout else ""
+        followers = [int(p) for p in line.split()]
+        assert followers, "the leader never served"
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait()
+        t0 = time.monotonic()
+        while any(_alive(p) for p in followers) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in followers)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        leader.kill()
+        leader.wait()
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("sf-tp-")} <= before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
