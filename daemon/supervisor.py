@@ -55,7 +55,7 @@ from .segment_ownership import check_no_live_daemon, register_in_process, releas
 from .status import worker_snapshot
 from .tp_ranks import STOP_GRACE_S, Rank, TpRanks
 from .worker import EXIT_UNSERVABLE
-from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, short_exit
+from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, open_pidfd, short_exit
 
 log = logging.getLogger("superfluid.daemon")
 
@@ -351,12 +351,7 @@ class Daemon:
             return
         theirs.close()
         w.control = ours
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except OSError:
-            proc.kill()
-            proc.wait()
-            raise
+        pidfd = open_pidfd(proc)
         w.proc, w.pidfd = proc, pidfd
         h.worker_pid = proc.pid  # the worker writes it too; status shows it while STARTING
         assert self._loop is not None

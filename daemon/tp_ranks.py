@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from superfluid.daemon.worker_exits import die_with_parent
+from superfluid.daemon.worker_exits import die_with_parent, open_pidfd
 
 log = logging.getLogger("superfluid.daemon")
 
@@ -76,13 +76,7 @@ class TpRanks:
                    "--tp-shm", self.shm(self.epoch), *self.worker_args]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=self.env,
                                     preexec_fn=die_with_parent(os.getpid()))  # noqa: PLW1509
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except OSError:
-                proc.kill()
-                proc.wait()
-                raise
-            rank = Rank(worker, r, self.epoch, proc, pidfd)
+            rank = Rank(worker, r, self.epoch, proc, open_pidfd(proc))
             self.live.append(rank)
             watch(rank)
             log.info("worker %d: tp rank %d started: pid %d, epoch %d", worker.index, r, proc.pid, self.epoch)

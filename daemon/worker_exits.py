@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -41,6 +42,17 @@ def describe_exit(status: int) -> str:
     else:
         why = EXIT_REASONS.get(status, "")
     return f"{short_exit(status)} ({why})" if why else short_exit(status)
+
+
+def open_pidfd(proc: subprocess.Popen[bytes]) -> int:
+    """A pidfd of the process just started (readable once it exits); on failure
+    the process is killed and reaped, and the OSError raised."""
+    try:
+        return os.pidfd_open(proc.pid)
+    except OSError:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _load_prctl() -> Callable[..., int] | None:

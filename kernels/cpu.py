@@ -372,21 +372,28 @@ class Stack:
         self._keep_pool = (k_pools, v_pools)
         self._pool = key
 
+    def _begin(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools, what: str) -> None:
+        """What the C side trusts of a step's x, layout and pools; the pools attached."""
+        hidden, _, nkv, hd, _ = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
+            raise ValueError(f"Stack.{what}: x must be contiguous float32 [n, {hidden}]")
+        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
+        self._attach(k_pools, v_pools)
+
+    def _scratch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step's buffers for the kernels between layers: h, qkv, att, gu, act, parts."""
+        hidden, nh, nkv, hd, inter = self.shape
+        n = x.shape[0]
+        return (x.new_empty((n, max(hidden, nh * hd))), x.new_empty((n, (nh + 2 * nkv) * hd)),
+                x.new_empty((n, nh * hd)), x.new_empty((n, 2 * inter)), x.new_empty((n, inter)),
+                x.new_empty((self.parts, n, hidden)))
+
     @_profiled
     def forward(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools) -> torch.Tensor:
         """x [n, hidden] float32 (the embeddings) through every layer, in place."""
-        hidden, nh, nkv, hd, inter = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
-            raise ValueError(f"Stack.forward: x must be contiguous float32 [n, {hidden}]")
-        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
-        self._attach(k_pools, v_pools)
+        self._begin(x, layout, k_pools, v_pools, "forward")
         n = x.shape[0]
-        h = x.new_empty((n, max(hidden, nh * hd)))
-        qkv = x.new_empty((n, (nh + 2 * nkv) * hd))
-        att = x.new_empty((n, nh * hd))
-        gu = x.new_empty((n, 2 * inter))
-        act = x.new_empty((n, inter))
-        parts = x.new_empty((self.parts, n, hidden))
+        h, qkv, att, gu, act, parts = self._scratch(x)
         t = layout.tables
         _check(lib.sf_forward(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
@@ -400,23 +407,15 @@ class Stack:
         kernels.comm.ShmComm of comm.world ranks) and added in piece order.
         comm's errors (CommTimeout: a rank died or stopped) as its calls';
         self.comm_s: the seconds those gathers took."""
-        hidden, nh, nkv, hd, inter = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
-            raise ValueError(f"Stack.forward_tp: x must be contiguous float32 [n, {hidden}]")
-        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
-        self._attach(k_pools, v_pools)
+        self._begin(x, layout, k_pools, v_pools, "forward_tp")
+        hidden = self.shape[0]
         n = x.shape[0]
         chunk = min(comm.slot_bytes, TP_CHUNK_BYTES)
         rows = max(1, chunk // (self.parts * hidden * 4))
         if self.parts * hidden * 4 > comm.slot_bytes:
             raise ValueError(f"Stack.forward_tp: one token's pieces ({self.parts * hidden * 4} bytes) exceed the "
                              f"comm's slots ({comm.slot_bytes})")
-        h = x.new_empty((n, max(hidden, nh * hd)))
-        qkv = x.new_empty((n, (nh + 2 * nkv) * hd))
-        att = x.new_empty((n, nh * hd))
-        gu = x.new_empty((n, 2 * inter))
-        act = x.new_empty((n, inter))
-        parts = x.new_empty((self.parts, n, hidden))
+        h, qkv, att, gu, act, parts = self._scratch(x)
         stage = x.new_empty((self.parts, min(rows, n), hidden))
         every = x.new_empty((comm.world * self.parts, min(rows, n), hidden))
         t = layout.tables

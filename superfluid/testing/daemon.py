@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from superfluid.daemon.status import read_status
 from superfluid.rings.naming import parse_segment_path, shm_dir
@@ -70,7 +71,16 @@ class Serve:
 
 def live_workers(name: str) -> list[int]:
     """Pids of live (not zombie) processes whose command line names a segment of `name`."""
-    marker = f"superfluid.{name}.".encode()
+    return live_processes(f"superfluid.{name}.".encode(), b"superfluid.daemon.worker")
+
+
+def live_ranks(marker: bytes) -> list[int]:
+    """Pids of live tensor-parallel follower ranks whose command line holds `marker`."""
+    return live_processes(marker, b"superfluid.daemon.tp_rank")
+
+
+def live_processes(marker: bytes, module: bytes) -> list[int]:
+    """Pids of live (not zombie) processes running `module` whose command line holds `marker`."""
     pids = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -82,9 +92,35 @@ def live_workers(name: str) -> list[int]:
                 state = f.read().rsplit(b")", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in cmd and b"superfluid.daemon.worker" in cmd and state != b"Z":
+        if marker in cmd and module in cmd and state != b"Z":
             pids.append(int(d))
     return pids
+
+
+def run_requests(name: str, reqs: list[dict], kill: Callable[[], None] | None = None,
+                 timeout_s: float = 300) -> tuple[list[list[int]], int, Any]:
+    """Serve `reqs` (prompt, max_new_tokens, sampling, params, rng_base) through
+    the reference planner on worker 0 of daemon `name`, calling `kill` once
+    when some lane has 3 tokens: each request's tokens, the restarts the
+    planner saw, and the worker's parallel layout (DESCRIBE)."""
+    from superfluid.client import Client
+    from superfluid.client.planner import Planner
+
+    with Client.connect(name, 0, timeout=180) as c:
+        p = Planner(c, prefill_token_budget=64, decode_grant=3)
+        ids = [p.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"], rng_base=r["rng_base"],
+                        stop_at_eos=False) for r in reqs]
+        done = False
+        deadline = time.monotonic() + timeout_s
+        while p.busy():
+            assert time.monotonic() < deadline, "requests never finished"
+            p.step(60)
+            if kill is not None and not done and any(len(ln.request.generated) >= 3 for ln in p.lanes.values()):
+                kill()
+                done = True
+        assert kill is None or done, "the fault was never injected"
+        rep = p.report()
+        return [rep.results[i].tokens for i in ids], p.stats.restarts, c.parallel()
 
 
 # A worker of the fake runtime, as the client tests start one (without a daemon).

@@ -9,18 +9,18 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from superfluid.abi import Sampling, WorkerState
 from superfluid.abi.records import SamplingParams
 from superfluid.client import Client
-from superfluid.client.planner import Planner
 from superfluid.daemon.supervisor import Daemon
 from superfluid.engine.tiny import default_model_dir
 from superfluid.kernels import cpu
 from superfluid.rings.naming import shm_dir
-from superfluid.testing.daemon import live_workers, wait_for
+from superfluid.testing.daemon import live_ranks, live_workers, run_requests, wait_for
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="tensor parallelism runs on the CPU kernels")
 
@@ -57,38 +57,13 @@ def _stop(name: str, d: Daemon, loop: threading.Thread) -> None:
 
 
 def _ranks_alive(name: str) -> list[int]:
-    marker = f"superfluid.{name}.".encode()
-    out = []
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{p}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and b"superfluid.daemon.tp_rank" in cmd and state != b"Z":
-            out.append(int(p))
-    return out
+    return live_ranks(f"superfluid.{name}.".encode())
 
 
-def _run(name: str, kill=None) -> tuple[list[list[int]], int]:
-    with Client.connect(name, 0, timeout=120) as c:
-        assert c.parallel().tp >= 1
-        p = Planner(c, prefill_token_budget=64, decode_grant=3)
-        ids = [p.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"], rng_base=r["rng_base"],
-                        stop_at_eos=False) for r in workload()]
-        done = False
-        deadline = time.monotonic() + 300
-        while p.busy():
-            assert time.monotonic() < deadline, "requests never finished"
-            p.step(60)
-            if kill is not None and not done and any(len(ln.request.generated) >= 3 for ln in p.lanes.values()):
-                kill()
-                done = True
-        assert kill is None or done, "the fault was never injected"
-        rep = p.report()
-        return [rep.results[i].tokens for i in ids], p.stats.restarts
+def _run(name: str, kill: Callable[[], None] | None = None) -> tuple[list[list[int]], int]:
+    got, restarts, parallel = run_requests(name, workload(), kill)
+    assert parallel.tp >= 1
+    return got, restarts
 
 
 @pytest.fixture(scope="module")

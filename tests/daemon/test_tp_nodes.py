@@ -8,16 +8,15 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from superfluid.abi import Sampling
 from superfluid.abi.records import SamplingParams
-from superfluid.client import Client
-from superfluid.client.planner import Planner
 from superfluid.kernels import cpu
-from superfluid.testing.daemon import Serve, wait_for
+from superfluid.testing.daemon import Serve, live_ranks, run_requests, wait_for
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="tensor parallelism runs on the CPU kernels")
 
@@ -29,38 +28,15 @@ def _free_port() -> int:
 
 
 def _ranks(marker: str) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if b"superfluid.daemon.tp_rank" in cmd and marker.encode() in cmd:
-            out.append(int(p))
-    return out
+    return live_ranks(marker.encode())
 
 
-def _run(name: str, kill=None) -> tuple[list[list[int]], int]:
+def _run(name: str, kill: Callable[[], None] | None = None) -> tuple[list[list[int]], int, Any]:
     reqs = [dict(prompt=[(11 * i + 5 * j) % 256 for j in range(18 + 7 * i)], max_new_tokens=12,
                  sampling=Sampling.GPU_SAMPLE if i % 2 else Sampling.GPU_GREEDY,
                  params=SamplingParams(temperature=0.8, top_k=40) if i % 2 else SamplingParams(),
                  rng_base=17 * (i + 1)) for i in range(3)]
-    with Client.connect(name, 0, timeout=180) as c:
-        p = Planner(c, prefill_token_budget=64, decode_grant=3)
-        ids = [p.submit(r["prompt"], r["max_new_tokens"], r["sampling"], params=r["params"], rng_base=r["rng_base"],
-                        stop_at_eos=False) for r in reqs]
-        done = False
-        deadline = time.monotonic() + 300
-        while p.busy():
-            assert time.monotonic() < deadline, "requests never finished"
-            p.step(60)
-            if kill is not None and not done and any(len(ln.request.generated) >= 3 for ln in p.lanes.values()):
-                kill()
-                done = True
-        assert kill is None or done
-        rep = p.report()
-        return [rep.results[i].tokens for i in ids], p.stats.restarts, c.parallel()
+    return run_requests(name, reqs, kill)
 
 
 def test_two_nodes_give_one_process_tokens_and_restart_together(tmp_path):
