@@ -22,6 +22,7 @@ from superfluid.engine.parallel.sharding import reduction_parts
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import AttnBatch, heads_major
 from superfluid.kernels.backend import Backend
+from superfluid.kernels.cpu_stack import Stack
 
 _LINEARS = ("qkv", "o", "gate_up", "down")
 _ROW_PARALLEL = ("o", "down")
@@ -110,7 +111,7 @@ class Model:
                 if t is not None:
                     setattr(layer, name, t.float().contiguous())
         cfg = self.cfg
-        self.stack = cpu.Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
+        self.stack = Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                scale=self.scale, cos=self.cos, sin=self.sin)
 

@@ -27,6 +27,7 @@ from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import heads_major
 from superfluid.kernels.backend import CpuBackend
 from superfluid.kernels.cpu import StepLayout
+from superfluid.kernels.cpu_stack import Stack
 
 if TYPE_CHECKING:
     from superfluid.kernels.comm import ShmComm
@@ -103,7 +104,7 @@ class TpModel:
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
         self.scale = cfg.head_dim ** -0.5
         # Every layer in one call into C where the group's transport is shared memory.
-        self.stack = cpu.Stack(self.layers, hidden=cfg.hidden_size, n_heads=self.n_heads, n_kv=self.n_kv,
+        self.stack = Stack(self.layers, hidden=cfg.hidden_size, n_heads=self.n_heads, n_kv=self.n_kv,
                                head_dim=cfg.head_dim, inter=len(shard.inter), eps=cfg.rms_norm_eps, scale=self.scale,
                                cos=self.cos, sin=self.sin)
 

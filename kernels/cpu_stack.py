@@ -1,0 +1,121 @@
+"""Every decoder layer of a step in one call into C (kernels/sf_cpu.c
+sf_forward; on a tensor-parallel rank sf_tp.c sf_forward_tp), over the
+weights kernels/cpu.py packs: a step at batch 1 costs one Python call
+instead of seven a layer."""
+
+from __future__ import annotations
+
+import torch
+
+from superfluid.kernels.cpu import StepLayout, _check, _check_pools, _f, _i64, _profiled, _threads, _v, ffi, lib
+
+# forward_tp gathers a rank's pieces this many bytes at a time (or its comm's slot, if smaller):
+# what every rank sends and gets back stays in cache.
+TP_CHUNK_BYTES = 512 << 10
+
+
+class Stack:
+    """Every decoder layer's weights as sf_forward takes them, built once at
+    load; `run` is one call into C a step for all layers (at batch 1 the
+    seven calls a layer cost a third of the step in Python)."""
+
+    def __init__(self, layers, *, hidden: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float,
+                 scale: float, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+        self._keep: list = []
+        self.shape = (hidden, n_heads, n_kv, head_dim, inter)
+        self.layers = ffi.new("sf_layer[]", len(layers))
+        bf16 = {L.qkv.w.dtype == torch.bfloat16 for L in layers}
+        if len(bf16) > 1:
+            raise ValueError("Stack: every layer's weights must share one dtype")
+        for c, L in zip(self.layers, layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(L, name)
+                setattr(c, name, _v(lin.w))
+                setattr(c, name + "_b", _f(lin.bias))
+                self._keep += [lin.w, lin.bias]
+            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+                t = getattr(L, name)
+                setattr(c, name, _f(t))
+                self._keep.append(t)
+        parts = {(L.o.parts, L.down.parts) for L in layers}
+        if len(parts) > 1 or len({p for pair in parts for p in pair}) > 1:
+            raise ValueError("Stack: every row-parallel layer must be packed in the same number of pieces")
+        self.parts = layers[0].o.parts if layers else 1
+        self.model = ffi.new("sf_model *", dict(
+            n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
+            bf16=int(bf16 == {True}), eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
+        self._pool = None
+        self.comm_s = 0.0
+
+    def _attach(self, k_pools, v_pools) -> None:
+        key = (k_pools[0].data_ptr(), v_pools[0].data_ptr())
+        if self._pool == key:
+            return
+        if len(k_pools) != len(self.layers) or len(v_pools) != len(self.layers):
+            raise ValueError(f"Stack: {len(self.layers)} layers, {len(k_pools)}/{len(v_pools)} pools")
+        for c, k, v in zip(self.layers, k_pools, v_pools):
+            if not (k.is_contiguous() and v.is_contiguous()) or k.shape != k_pools[0].shape or v.shape != k.shape:
+                raise ValueError("Stack: each layer's pool must be contiguous heads-major, all of one shape")
+            c.k_pool, c.v_pool = _v(k), _v(v)
+        m = self.model
+        m.kv_bf16, m.head_stride, m.page = int(k_pools[0].dtype == torch.bfloat16), k_pools[0].stride(0), \
+            k_pools[0].shape[2]
+        self._keep_pool = (k_pools, v_pools)
+        self._pool = key
+
+    def _begin(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools, what: str) -> None:
+        """What the C side trusts of a step's x, layout and pools; the pools attached."""
+        hidden, _, nkv, hd, _ = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
+            raise ValueError(f"Stack.{what}: x must be contiguous float32 [n, {hidden}]")
+        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
+        self._attach(k_pools, v_pools)
+
+    def _scratch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step's buffers for the kernels between layers: h, qkv, att, gu, act, parts."""
+        hidden, nh, nkv, hd, inter = self.shape
+        n = x.shape[0]
+        return (x.new_empty((n, max(hidden, nh * hd))), x.new_empty((n, (nh + 2 * nkv) * hd)),
+                x.new_empty((n, nh * hd)), x.new_empty((n, 2 * inter)), x.new_empty((n, inter)),
+                x.new_empty((self.parts, n, hidden)))
+
+    @_profiled
+    def forward(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools) -> torch.Tensor:
+        """x [n, hidden] float32 (the embeddings) through every layer, in place."""
+        self._begin(x, layout, k_pools, v_pools, "forward")
+        n = x.shape[0]
+        h, qkv, att, gu, act, parts = self._scratch(x)
+        t = layout.tables
+        _check(lib.sf_forward(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
+                              _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
+                              _f(parts), _threads()), "sf_forward")
+        return x
+
+    @_profiled
+    def forward_tp(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools, comm, timeout_s: float) -> torch.Tensor:
+        """forward on a tensor-parallel rank's shard: after each row-parallel
+        layer the pieces of every rank are gathered through `comm` (a
+        kernels.comm.ShmComm of comm.world ranks) and added in piece order.
+        comm's errors (CommTimeout: a rank died or stopped) as its calls';
+        self.comm_s: the seconds those gathers took."""
+        self._begin(x, layout, k_pools, v_pools, "forward_tp")
+        hidden = self.shape[0]
+        n = x.shape[0]
+        chunk = min(comm.slot_bytes, TP_CHUNK_BYTES)
+        rows = max(1, chunk // (self.parts * hidden * 4))
+        if self.parts * hidden * 4 > comm.slot_bytes:
+            raise ValueError(f"Stack.forward_tp: one token's pieces ({self.parts * hidden * 4} bytes) exceed the "
+                             f"comm's slots ({comm.slot_bytes})")
+        h, qkv, att, gu, act, parts = self._scratch(x)
+        stage = x.new_empty((self.parts, min(rows, n), hidden))
+        every = x.new_empty((comm.world * self.parts, min(rows, n), hidden))
+        t = layout.tables
+        state = comm.c_calls(timeout_s)
+        state.chunk_bytes = chunk
+        rc = lib.sf_forward_tp(self.model, state, _f(x), n, _i64(layout.positions), _i64(layout.cells),
+                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
+                               _f(parts), _f(stage), _f(every), _threads())
+        comm.c_calls_done(state, rc, "sf_forward_tp")
+        self.comm_s = float(state.comm_s)
+        return x
