@@ -53,7 +53,7 @@ from .metrics import WorkerMetrics
 from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_registry
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
 from .status import worker_snapshot
-from .tp_ranks import STOP_GRACE_S, Rank, TpRanks
+from .tp_ranks import Rank, TpRanks
 from .worker import EXIT_UNSERVABLE
 from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, open_pidfd, short_exit
 
@@ -269,7 +269,7 @@ class Daemon:
             if w is None:
                 self._read_wakeups()
             elif isinstance(w, Rank):
-                self._rank_exited(w)
+                w.worker.ranks.exited(w, self._loop, self._stopping)
             else:
                 self._reap(w)
         if self._stop_requested and not self._stopping:
@@ -359,46 +359,15 @@ class Daemon:
         log.info("worker %d started: pid %d, epoch %d", w.index, proc.pid, w.epoch)
         if w.ranks is not None:
             try:
-                w.ranks.start(w, proc.pid, self._watch_rank)
+                w.ranks.start(w, proc.pid, self._loop)
             except (OSError, subprocess.SubprocessError) as e:  # the leader alone cannot serve: restart the group
                 log.error("worker %d: cannot start its tp ranks: %s", w.index, e)
                 proc.kill()
 
-    def _watch_rank(self, rank: Rank) -> None:
-        assert self._loop is not None
-        self._loop.watch(rank.pidfd, rank)
-        rank.watched = True
-
-    def _rank_exited(self, rank: Rank) -> None:
-        """A follower ended: the group it belongs to cannot go on (fail-stop),
-        so its leader is killed, and the leader's exit restarts the group."""
-        w = rank.worker
-        assert self._loop is not None and w.ranks is not None
-        if not rank.watched:
-            return  # reaped earlier in this round, with its leader's group
-        self._loop.unwatch(rank.pidfd)
-        rank.watched = False
-        pid = rank.proc.pid
-        status = w.ranks.reaped(rank)
-        if self._stopping or rank.epoch != w.epoch or w.proc is None:
-            log.info("worker %d: tp rank %d (pid %d) %s", w.index, rank.rank, pid, describe_exit(status))
-            return
-        log.warning("worker %d: tp rank %d (pid %d, epoch %d) %s: restarting the group", w.index, rank.rank, pid,
-                    rank.epoch, describe_exit(status))
-        w.proc.kill()
-
     def _end_group(self, w: _Worker, stopped: bool = False) -> None:
-        """The leader is gone: its followers too (killed if still there; after
-        a grace when it `stopped` cleanly), and their meeting files."""
-        if w.ranks is None:
-            return
-        assert self._loop is not None
-        for rank in w.ranks.live:
-            if rank.watched:
-                self._loop.unwatch(rank.pidfd)
-                rank.watched = False
-        w.ranks.kill(STOP_GRACE_S if stopped else 0.0)
-        w.ranks.clean()
+        if w.ranks is not None:
+            assert self._loop is not None
+            w.ranks.end(self._loop, stopped)
 
     def _check_ready(self) -> None:
         for w in self._workers:

@@ -18,10 +18,11 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from superfluid.daemon.worker_exits import die_with_parent, open_pidfd
+from superfluid.daemon.event_loop import EventLoop
+from superfluid.daemon.worker_exits import describe_exit, die_with_parent, open_pidfd
 
 log = logging.getLogger("superfluid.daemon")
 
@@ -66,8 +67,8 @@ class TpRanks:
         self.epoch = epoch
         return ["--tp-init", f"file://{self.store(epoch)}", "--tp-shm", self.shm(epoch)]
 
-    def start(self, worker: Any, leader_pid: int, watch: Callable[[Rank], None]) -> None:
-        """The followers of the leader `leader_pid`, each handed to `watch` as
+    def start(self, worker: Any, leader_pid: int, loop: EventLoop) -> None:
+        """The followers of the leader `leader_pid`, each watched by `loop` as
         it starts (so a failure to start the next leaves none unwatched); each
         dies with the daemon."""
         for r in range(1, self.local):
@@ -78,8 +79,35 @@ class TpRanks:
                                     preexec_fn=die_with_parent(os.getpid()))  # noqa: PLW1509
             rank = Rank(worker, r, self.epoch, proc, open_pidfd(proc))
             self.live.append(rank)
-            watch(rank)
+            loop.watch(rank.pidfd, rank)
+            rank.watched = True
             log.info("worker %d: tp rank %d started: pid %d, epoch %d", worker.index, r, proc.pid, self.epoch)
+
+    def exited(self, rank: Rank, loop: EventLoop, stopping: bool) -> None:
+        """A follower ended: its group cannot go on (fail-stop), so its leader
+        is killed, and the leader's exit restarts the group."""
+        if not rank.watched:
+            return  # reaped earlier in this round, with its leader's group
+        loop.unwatch(rank.pidfd)
+        rank.watched = False
+        w, pid = rank.worker, rank.proc.pid
+        status = self.reaped(rank)
+        if stopping or rank.epoch != w.epoch or w.proc is None:
+            log.info("worker %d: tp rank %d (pid %d) %s", w.index, rank.rank, pid, describe_exit(status))
+            return
+        log.warning("worker %d: tp rank %d (pid %d, epoch %d) %s: restarting the group", w.index, rank.rank, pid,
+                    rank.epoch, describe_exit(status))
+        w.proc.kill()
+
+    def end(self, loop: EventLoop, stopped: bool = False) -> None:
+        """The leader is gone: its followers too (killed if still there; after
+        a grace when it `stopped` cleanly), and their meeting files."""
+        for rank in self.live:
+            if rank.watched:
+                loop.unwatch(rank.pidfd)
+                rank.watched = False
+        self.kill(STOP_GRACE_S if stopped else 0.0)
+        self.clean()
 
     def reaped(self, rank: Rank) -> int:
         """A follower's exit status, once its pidfd said it exited (closes the pidfd)."""
