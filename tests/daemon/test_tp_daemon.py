@@ -108,7 +108,7 @@ def _follower(d: Daemon) -> int:
     return ranks.live[0].proc.pid
 
 
-@pytest.mark.parametrize("fault", ["kill-follower", "follower-exits", "stop-follower", "kill-leader"])
+@pytest.mark.parametrize("fault", ["kill-follower", "follower-signalled", "stop-follower", "kill-leader"])
 def test_a_rank_fault_restarts_the_group_and_recovers_bitwise(tp2, baseline, fault):
     name, d = tp2
     wait_for(lambda: d.snapshot()[0]["state"] == WorkerState.READY.name, "the group to be ready", 120)
@@ -124,7 +124,7 @@ def test_a_rank_fault_restarts_the_group_and_recovers_bitwise(tp2, baseline, fau
             return
         pid = _follower(d)
         victims.append(pid)
-        os.kill(pid, {"kill-follower": signal.SIGKILL, "follower-exits": signal.SIGUSR1,
+        os.kill(pid, {"kill-follower": signal.SIGKILL, "follower-signalled": signal.SIGUSR1,
                       "stop-follower": signal.SIGSTOP}[fault])
 
     got, restarts = _run(name, kill)
