@@ -199,6 +199,7 @@ def test_a_good_checkpoint_passes_the_same_checks(ckpt, seg_name, tmp_path):
     (["--tp", "2", "--nnodes", "3", "--master-addr", "127.0.0.1"], "--nnodes 3"),
     (["--tp", "2", "--nnodes", "2"], "--master-addr"),
     (["--tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2"),
+    (["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--workers", "2"], "--workers 2"),
 ])
 def test_a_size_the_machine_cannot_hold_is_refused_naming_its_option(args, named, healthy, seg_name):
     by_argparse = {"--name", "--max-seqs", "--prefill-step-tokens"} & set(args)

@@ -165,6 +165,42 @@ def test_shards_and_refusals(tiny, tmp_path):
         load(tiny, "triton", tp=2)
 
 
+def test_ranks_given_other_options_are_named_at_the_join():
+    """Every rank all-gathers a digest of what it loaded and how: a rank with
+    another one is named and nobody starts (the negative half: equal digests pass)."""
+    import socket
+    import threading
+
+    from superfluid.engine.parallel.group import GlooLink, GroupFault
+
+    def meet(digests: list[bytes]) -> list[object]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out: list[object] = [None, None]
+
+        def rank(r: int) -> None:
+            link = GlooLink(f"tcp://127.0.0.1:{port}", 2, r, 5.0, 30.0)
+            try:
+                link.barrier(digests[r])
+                out[r] = "ok"
+            except GroupFault as e:
+                out[r] = e
+            finally:
+                link.close()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    assert meet([b"same", b"same"]) == ["ok", "ok"]
+    got = meet([b"mine", b"other"])
+    assert all(isinstance(e, GroupFault) and "tp rank(s) [1]" in str(e) for e in got), got
+
+
 LEADER = """
 import sys, time
 from superfluid.engine import Feed, load
