@@ -90,14 +90,15 @@ class LeaderModel:
         return out
 
     def close(self) -> None:
-        """Stop the followers (they exit on the stop op) and leave the group."""
+        """Stop the followers (they exit on the stop op) and leave the group. Idempotent."""
+        if self._close_group is None:
+            return
         try:
             self.send(Op("stop"))
         except FatalError:
             pass
-        if self._close_group:
-            self._close_group()
-            self._close_group = None
+        close, self._close_group = self._close_group, None
+        close()
 
 
 class LeaderPool(KVPool):

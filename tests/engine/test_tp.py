@@ -92,7 +92,9 @@ def test_small_shared_memory_slots(tiny, runtimes):
         small = _play(rt, script)
     finally:
         rt.close()
+    rt.close()  # again: nothing to stop
     assert small == _play(runtimes[1], script)
+    assert all(p.returncode == 0 for p in rt.followers)  # told to stop, they exited cleanly
 
 
 def test_sampling_copies_and_exports_across_degrees(runtimes):
