@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         dtype = opts.pop("dtype", None)
-        spec = rank_spec(model, tp, args.rank, init, shm, leader_pid=args.leader_pid,
+        spec = rank_spec(model, tp, args.rank, init, shm, backend=args.backend, leader_pid=args.leader_pid,
                          dtype=getattr(torch, dtype) if dtype else None, **tp_opts, **opts)
     except ValueError as e:
         print(f"superfluid tp rank {args.rank}: {e}", file=sys.stderr)

@@ -112,7 +112,8 @@ def tp_options(args: argparse.Namespace) -> dict:
     gloo, else where the daemon says (--tp-init, --tp-shm)."""
     check_nodes(args)
     local = args.tp // args.nnodes
-    out: dict = dict(transport=args.tp_transport if args.nnodes == 1 else "gloo", timeout_s=args.tp_timeout,
+    across = "nccl" if args.tp_transport == "nccl" else "gloo"
+    out: dict = dict(transport=args.tp_transport if args.nnodes == 1 else across, timeout_s=args.tp_timeout,
                      threads=args.threads or max(1, len(os.sched_getaffinity(0)) // local), nnodes=args.nnodes)
     if args.nnodes > 1:
         out["join"] = (f"tcp://{args.master_addr}:{args.master_port}", "")
@@ -208,10 +209,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "file system has free when a worker starts)")
     p.add_argument("--tp", type=_at_least(1, 64), default=1,
                    help="tensor-parallel degree: the model runs on this many rank processes, with the same bits "
-                        "as on one (a Llama-family model on the CPU kernels; the degree must divide its pieces)")
-    p.add_argument("--tp-transport", choices=("shm", "gloo"), default="shm",
-                   help="how a machine's ranks exchange a step's tensors: shared memory (default) or "
-                        "torch.distributed's gloo (the reference; always across machines)")
+                        "as on one (a Llama-family model; the degree must divide its pieces)")
+    p.add_argument("--tp-transport", choices=("auto", "shm", "gloo", "nccl"), default="auto",
+                   help="how a machine's ranks exchange a step's tensors: shared memory, torch.distributed's "
+                        "gloo (the reference; always across machines unless nccl) or NCCL between GPUs; auto "
+                        "(default): nccl where each rank has a GPU of its own, else shm")
     p.add_argument("--tp-timeout", type=_positive_seconds, default=10.0,
                    help="seconds a rank waits for the others in a collective before the group is restarted "
                         "(a rank died or stopped; default 10)")

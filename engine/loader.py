@@ -15,7 +15,7 @@ from superfluid.engine.parallel.sharding import TpError
 from superfluid.engine.runtime import Runtime
 from superfluid.engine.transformer import TransformerRuntime
 from superfluid.engine.weights import load_weights
-from superfluid.kernels.backend import cpu_kernels_in_use, get_backend
+from superfluid.kernels.backend import get_backend
 
 
 def _tokenizer(path: str) -> tuple[str | None, dict[str, int]]:
@@ -52,12 +52,12 @@ def load(path: str | os.PathLike, backend: str = "torch", *, device: str | None 
         return _load_mamba2(path, backend, dev, dtype, invariant, max_seq_len, pool_options)
     cfg = load_config(path)
     if tp != 1:
-        if not cpu_kernels_in_use(backend, invariant, dev):
-            raise TpError(f"--tp {tp}: tensor parallelism runs on the CPU kernels (backend torch on a CPU with "
-                          f"the kernels built), not backend {backend!r} on {dev.type}")
+        if not invariant:
+            raise TpError(f"--tp {tp}: tensor parallelism keeps the bits of TP=1 only with the invariant kernels")
         from superfluid.engine.parallel.launch import load_tp
 
-        return load_tp(path, tp, dtype=dtype, max_seq_len=max_seq_len, **(tp_options or {}), **pool_options)
+        return load_tp(path, tp, backend=backend, device=dev.type, dtype=dtype, max_seq_len=max_seq_len,
+                       **(tp_options or {}), **pool_options)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else cfg.dtype
     weights = load_weights(path, cfg, dtype=dtype)

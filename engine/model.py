@@ -2,11 +2,12 @@
 
 All tokens of all feeds of a step go through the linear layers as one batch;
 attention takes each token over its own sequence's cells (kernels/attention.py).
-The ops come from a backend (kernels/backend.py): torch, or Triton kernels
-for the elementwise and attention parts. Projections are fused (q/k/v into
-one matrix, gate/up into another) so a layer is four GEMMs. On the CPU
-backend the weights are packed once here, at load (no first-step packing),
-and every layer of a step runs in one call into C (_forward_cpu).
+The ops come from a backend (kernels/backend.py). On the CPU kernels'
+backend projections are fused (q/k/v into one matrix, gate/up into
+another), the weights packed once here, at load, and every layer of a step
+runs in one call into C (_forward_cpu). On the torch and Triton backends the
+layers run in blocks of fixed shapes (engine/blocked.py), so that a tensor-
+parallel group of any degree computes the very same GEMMs.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import functools
 
 import torch
 
+from superfluid.engine.blocked import BlockedModel
 from superfluid.engine.config import ModelConfig
 from superfluid.engine.kv import KVPool
-from superfluid.engine.parallel.sharding import reduction_parts
+from superfluid.engine.parallel.sharding import Shard, reduction_parts
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import AttnBatch, heads_major
 from superfluid.kernels.backend import Backend
@@ -55,6 +57,22 @@ class Model:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        cos, sin = rope_cos_sin(cfg, self.max_seq_len)
+        self.cos = cos.to(self.device)
+        self.sin = sin.to(self.device)
+        self.scale = cfg.head_dim ** -0.5
+        self.parts = reduction_parts(cfg)
+        self.stack = None
+        self.blocked: BlockedModel | None = None
+        if not backend.fused_cpu:
+            # Fixed-shape blocks: the bits of every tensor-parallel degree (engine/blocked.py);
+            # without invariance (measuring its cost) one block a layer, the plain GEMMs.
+            shard = Shard.plan(cfg, 1, 0)
+            if not backend.invariant:
+                shard = dataclasses.replace(shard, parts=1)
+            self.blocked = BlockedModel(cfg, weights, shard, backend, self.device, dtype, self.cos, self.sin)
+            self.layers = self.blocked.layers
+            return
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
 
         def opt(name: str) -> torch.Tensor | None:
@@ -84,14 +102,7 @@ class Model:
                 gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias"),
                 down=w[m + "down_proj.weight"], down_bias=opt(m + "down_proj.bias"),
             ))
-        cos, sin = rope_cos_sin(cfg, self.max_seq_len)
-        self.cos = cos.to(self.device)
-        self.sin = sin.to(self.device)
-        self.scale = cfg.head_dim ** -0.5
-        self.parts = reduction_parts(cfg)
-        self.stack = None
-        if backend.fused_cpu:
-            self._pack(backend.cpu)
+        self._pack(backend.cpu)
 
     def _pack(self, cpu) -> None:
         """Weights as the C kernels take them: linears packed (their dtype
@@ -125,6 +136,8 @@ class Model:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
+        if self.blocked is not None:
+            return self.blocked.weight_bytes
         seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.norm): self.norm}
         for layer in self.layers:
             for f in dataclasses.fields(layer):
@@ -139,34 +152,11 @@ class Model:
         """tokens [n] of the step; the pool's K/V [layers, blocks, page,
         kv_heads, head_dim]; `rows`: token indices whose logits are wanted
         (None: every token). Returns logits [len(rows), vocab] (float32)."""
-        if self.backend.fused_cpu:
+        if self.blocked is None:
             return self._forward_cpu(tokens, batch, k_cache, v_cache, rows)
-        cfg, be = self.cfg, self.backend
-        n = tokens.shape[0]
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_end, k_end = nh * hd, (nh + nkv) * hd
-        pos = batch.positions
-        x = self.embed.index_select(0, tokens)
-        for li, layer in enumerate(self.layers):
-            h = be.rmsnorm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = be.linear(h, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_end].reshape(n, nh, hd)
-            k = qkv[:, q_end:k_end].reshape(n, nkv, hd)
-            v = qkv[:, k_end:].reshape(n, nkv, hd)
-            if layer.q_norm is not None:
-                q = be.rmsnorm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = be.rmsnorm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = be.rope(q, self.cos, self.sin, pos)
-            k = be.rope(k, self.cos, self.sin, pos)
-            be.kv_write(k_cache[li], v_cache[li], batch.cells, k, v)
-            a = be.attention(q, k_cache[li], v_cache[li], batch, self.scale, li)
-            x = x + be.linear(a.reshape(n, q_end), layer.o, layer.o_bias)
-            h = be.rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            x = x + be.mlp(h, layer.gate_up, layer.gate_up_bias, layer.down, layer.down_bias)
-        if rows is not None:
-            x = x[rows]
-        x = be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
-        return be.linear(x, self.lm_head).float()
+        out = self.blocked.forward(tokens, batch, k_cache, v_cache, rows)
+        assert out is not None
+        return out
 
     def _forward_cpu(self, tokens: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor | None) -> torch.Tensor:

@@ -64,16 +64,13 @@ def plan_load(path: str | os.PathLike, backend: str = "torch", *, device: str | 
     cfg = load_config(path)
     if tp != 1:
         Shard.plan(cfg, tp)
-        from superfluid.kernels.backend import cpu_kernels_in_use
-
-        if not cpu_kernels_in_use(backend, invariant, dev):
-            raise TpError(f"--tp {tp}: tensor parallelism runs on the CPU kernels (backend torch on a CPU with "
-                          f"the kernels built), not backend {backend!r} on {dev.type}")
+        if not invariant:
+            raise TpError(f"--tp {tp}: tensor parallelism keeps the bits of TP=1 only with the invariant kernels")
     check_weights(path, cfg)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else cfg.dtype
     needs = _plan_transformer(cfg, backend, invariant, dev, dtype, max_seq_len, pool_options,
-                              os.path.join(path, "config.json"))
+                              os.path.join(path, "config.json"), mirrors=tp == 1)
     if tp > cfg.num_kv_heads:  # each rank holds its query heads' KV head: the pool tp / kv_heads times over
         times = tp // cfg.num_kv_heads
         needs = [dataclasses.replace(n, nbytes=n.nbytes * times) if n.what == "the KV pool" else n for n in needs]
@@ -85,7 +82,7 @@ def _elem(dtype: torch.dtype) -> int:
 
 
 def _plan_transformer(cfg: ModelConfig, backend: str, invariant: bool, dev: torch.device, dtype: torch.dtype,
-                      max_seq_len: int | None, opts: dict, source: str) -> list[Need]:
+                      max_seq_len: int | None, opts: dict, source: str, mirrors: bool = True) -> list[Need]:
     from superfluid.engine.transformer import DEFAULT_KV_CELLS, DEFAULT_MAX_BATCH, DEFAULT_PAGE
     from superfluid.kernels.backend import get_backend
 
@@ -98,7 +95,7 @@ def _plan_transformer(cfg: ModelConfig, backend: str, invariant: bool, dev: torc
     blocks = -(-kv_cells // page) + 1
     pool = 2 * cfg.num_layers * blocks * page * cfg.num_kv_heads * cfg.head_dim * size
     be = get_backend(backend, invariant, dev)
-    if be.dense_kv and be.heads_major_kv:
+    if mirrors and be.dense_kv and be.heads_major_kv:
         pool *= 3  # the dense mirrors take up to twice the pool (TransformerRuntime)
     limit, limit_by = cfg.max_position_embeddings, f"{source}: max_position_embeddings"
     if cfg.sliding_window and cfg.sliding_window < limit:

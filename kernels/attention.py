@@ -108,8 +108,27 @@ def build_batch(feeds: list[tuple[list[int], int, int]], page: int, q_per_kv: in
     tokens fed) per feed, in step order (tokens are laid out feed after feed).
     Feeds are grouped by padded query length so a decode batch is one group
     and each long prefill its own; grouping never changes a result."""
-    nf = len(feeds)
     n, start, first, table, _feed_of, positions, cells = token_layout(feeds, page)
+    return _grouped(n, start, first, table, positions, cells, page, q_per_kv, device, max_group_elems)
+
+
+def batch_of_layout(positions: np.ndarray, cells: np.ndarray, feed_of: np.ndarray, tables: np.ndarray, page: int,
+                    q_per_kv: int, device: str | torch.device = "cpu") -> AttnBatch:
+    """build_batch's layout from token_layout's arrays (a step as a
+    tensor-parallel leader ships it to its ranks): the same groups."""
+    nf = tables.shape[0]
+    n = np.bincount(feed_of, minlength=nf).astype(np.int64)
+    first = np.cumsum(n) - n
+    start = np.zeros(nf, dtype=np.int64)
+    fed = n > 0
+    start[fed] = positions[first[fed]]
+    return _grouped(n, start, first, tables, positions, cells, page, q_per_kv, device, 1 << 24)
+
+
+def _grouped(n: np.ndarray, start: np.ndarray, first: np.ndarray, table: np.ndarray, positions: np.ndarray,
+             cells: np.ndarray, page: int, q_per_kv: int, device: str | torch.device,
+             max_group_elems: int) -> AttnBatch:
+    nf = len(n)
     end = start + n
     n_tokens = int(n.sum())
     # Rows per token are q_per_kv; pad the token count so rows are a multiple of ROW_TILE.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from superfluid.kernels.comm import ShmComm
 
-__all__ = ["GlooGroup", "GlooLink", "Group", "GroupFault", "ShmGroup", "SoloGroup"]
+__all__ = ["GlooGroup", "GlooLink", "Group", "GroupFault", "NcclGroup", "ShmGroup", "SoloGroup", "bits_gather"]
 
 _LEN = struct.Struct("<q")
 
@@ -61,6 +61,14 @@ class Group:
 
     def close(self) -> None:
         pass
+
+
+def bits_gather(group: Group, t: torch.Tensor) -> torch.Tensor:
+    """group.all_gather(t), a bfloat16 tensor moved as its int16 bits (not
+    every library reduces or gathers bfloat16)."""
+    if t.dtype == torch.bfloat16:
+        return group.all_gather(t.contiguous().view(torch.int16)).view(torch.bfloat16)
+    return group.all_gather(t)
 
 
 class SoloGroup(Group):
@@ -245,4 +253,50 @@ class ShmGroup(Group):
 
     def close(self) -> None:
         self.comm.close()
+        self.link.close()
+
+
+class NcclGroup(Group):
+    """The all-gathers through NCCL between the ranks' GPUs (the tensors
+    stay on them); the leader's message and the barriers through gloo. A
+    collective past the timeout is NCCL's watchdog's: it aborts the rank's
+    process, and the group restarts as for any rank that died."""
+
+    transport = "nccl"
+
+    def __init__(self, link: GlooLink, device: torch.device, timeout_s: float):
+        self.link, self.gloo = link, GlooGroup(link)
+        self.rank, self.world = link.rank, link.world
+        self.device = device
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", link.store), self.rank, self.world, opts)
+        except RuntimeError as e:
+            raise GroupFault(f"joining NCCL as rank {self.rank} of {self.world}: {e}") from e
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = t.new_empty((self.world,) + tuple(t.shape))
+        try:
+            self.pg.allgather([list(out.unbind(0))], [t]).wait()
+        except RuntimeError as e:
+            raise GroupFault(f"nccl all_gather: {e}") from e
+        return out
+
+    def broadcast(self, data: bytes | None, wait_s: float | None = None,
+                  alive: Callable[[], bool] | None = None) -> bytes:
+        return self.gloo.broadcast(data, wait_s, alive)
+
+    def all_reduce_plain(self, t: torch.Tensor) -> None:
+        try:
+            self.pg.allreduce([t]).wait()
+        except RuntimeError as e:
+            raise GroupFault(f"nccl all_reduce: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except (RuntimeError, AttributeError):
+            pass
         self.link.close()

@@ -23,11 +23,14 @@ import torch
 from superfluid.engine.kv import KVPool, SeqState
 from superfluid.engine.parallel.group import GroupFault
 from superfluid.engine.parallel.tp_model import TpModel
+from superfluid.engine.parallel.tp_torch import TpTorchModel
 from superfluid.engine.parallel.wire import Op, decode, encode
 from superfluid.engine.runtime import FatalError
 from superfluid.kernels.cpu import StepLayout
 
-__all__ = ["LeaderModel", "LeaderPool", "follow"]
+__all__ = ["LeaderModel", "LeaderPool", "RankModel", "follow"]
+
+RankModel = TpModel | TpTorchModel  # the C kernels' shard, or the torch/Triton backend's
 
 
 def _u(t: torch.Tensor) -> np.ndarray:
@@ -45,9 +48,9 @@ class LeaderModel:
     """TpModel on the leader, as engine/model.py's Model looks to the runtime:
     its forward first sends the step (and the queued pool ops) to every rank."""
 
-    def __init__(self, tp: TpModel, close_group: Callable[[], None] | None = None):
+    def __init__(self, tp: RankModel, close_group: Callable[[], None] | None = None):
         self.tp = tp
-        self.cfg, self.backend, self.device, self.dtype = tp.cfg, tp.backend, tp.device, tp.dtype
+        self.cfg, self.backend, self.device, self.dtype = tp.cfg, tp.backend_view, tp.device, tp.dtype
         self.max_seq_len = tp.max_seq_len
         self.group = tp.group
         self.outbox: list[Op] = []
@@ -61,7 +64,7 @@ class LeaderModel:
 
     def kv_pool(self, n_blocks: int, page: int) -> LeaderPool:
         self.pool = LeaderPool(self, self.cfg.num_layers, self.tp.n_kv, self.cfg.head_dim, n_blocks, page,
-                               dtype=self.dtype, heads_major=True)
+                               dtype=self.dtype, device=self.device, heads_major=self.tp.heads_major_kv)
         return self.pool
 
     def send(self, *ops: Op) -> None:
@@ -77,10 +80,10 @@ class LeaderModel:
 
     def forward(self, tokens: torch.Tensor, lay: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rows: torch.Tensor | None) -> torch.Tensor:
-        arrays = {"tokens": tokens.numpy(), "positions": lay.positions.numpy(), "cells": lay.cells.numpy(),
+        arrays = {"tokens": tokens.cpu().numpy(), "positions": lay.positions.numpy(), "cells": lay.cells.numpy(),
                   "feed_of": lay.feed_of.numpy(), "tables": lay.tables.numpy()}
         if rows is not None:
-            arrays["rows"] = rows.numpy()
+            arrays["rows"] = rows.cpu().numpy()
         self.send(Op("step", {"page": lay.page}, arrays))
         try:
             out = self.tp.forward_local(tokens, lay, k_cache, v_cache, rows)
@@ -133,21 +136,20 @@ class LeaderPool(KVPool):
         b, o = self._where(seq, start, start + k.shape[1])
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         heads = self.leader.tp.shard.kv_heads
-        self.k[:, b, o] = k[:, :, heads.start:heads.stop]
-        self.v[:, b, o] = v[:, :, heads.start:heads.stop]
-        self.leader.outbox.append(Op("write", arrays={"blocks": b.numpy(), "offsets": o.numpy(), "k": _u(k),
-                                                      "v": _u(v)}))
+        b, o = b.to(self.k.device), o.to(self.k.device)
+        self.k[:, b, o] = k[:, :, heads.start:heads.stop].to(self.k.device)
+        self.v[:, b, o] = v[:, :, heads.start:heads.stop].to(self.v.device)
+        self.leader.outbox.append(Op("write", arrays={"blocks": b.cpu().numpy(), "offsets": o.cpu().numpy(),
+                                                      "k": _u(k.cpu()), "v": _u(v.cpu())}))
 
 
-def gather_heads(pool: KVPool, tp: TpModel, b: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_heads(pool: KVPool, tp: RankModel, b: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's heads' cells at blocks b, offsets o, gathered: on the
     leader [layers, n, kv_heads, head_dim] K and V; a replicated head is taken
     from the first rank holding it."""
+    b, o = b.to(pool.k.device), o.to(pool.k.device)
     mine = torch.stack([pool.k[:, b, o], pool.v[:, b, o]]).contiguous()  # [2, layers, n, local kv, hd]
-    if mine.dtype == torch.bfloat16:
-        every = tp.group.all_gather(mine.view(torch.int16)).view(torch.bfloat16)
-    else:
-        every = tp.group.all_gather(mine)
+    every = tp.all_gather(mine)
     from superfluid.engine.parallel.sharding import Shard
 
     cfg = tp.cfg
@@ -160,20 +162,21 @@ def gather_heads(pool: KVPool, tp: TpModel, b: torch.Tensor, o: torch.Tensor) ->
     return full[0], full[1]
 
 
-def apply(op: Op, tp: TpModel, pool: KVPool) -> bool:
+def apply(op: Op, tp: RankModel, pool: KVPool) -> bool:
     """A follower does what the leader's op says; False on stop."""
     a = op.arrays
     if op.kind == "stop":
         return False
     if op.kind == "zero":
-        pool.v.index_fill_(1, torch.from_numpy(a["blocks"].copy()), 0)
+        pool.v.index_fill_(1, torch.from_numpy(a["blocks"].copy()).to(pool.v.device), 0)
     elif op.kind == "copy":
         KVPool.copy_block(pool, op.ints["src"], op.ints["dst"])
     elif op.kind == "write":
-        b, o = torch.from_numpy(a["blocks"].copy()), torch.from_numpy(a["offsets"].copy())
+        dev = pool.k.device
+        b, o = torch.from_numpy(a["blocks"].copy()).to(dev), torch.from_numpy(a["offsets"].copy()).to(dev)
         heads = tp.shard.kv_heads
-        pool.k[:, b, o] = _t(a["k"], pool.k.dtype)[:, :, heads.start:heads.stop]
-        pool.v[:, b, o] = _t(a["v"], pool.v.dtype)[:, :, heads.start:heads.stop]
+        pool.k[:, b, o] = _t(a["k"], pool.k.dtype)[:, :, heads.start:heads.stop].to(dev)
+        pool.v[:, b, o] = _t(a["v"], pool.v.dtype)[:, :, heads.start:heads.stop].to(dev)
     elif op.kind == "read":
         gather_heads(pool, tp, torch.from_numpy(a["blocks"].copy()), torch.from_numpy(a["offsets"].copy()))
     elif op.kind == "step":
@@ -185,11 +188,12 @@ def apply(op: Op, tp: TpModel, pool: KVPool) -> bool:
     return True
 
 
-def follow(tp: TpModel, n_blocks: int, page: int, leader_alive: Callable[[], bool],
+def follow(tp: RankModel, n_blocks: int, page: int, leader_alive: Callable[[], bool],
            poll_s: float = 1.0) -> None:
     """A follower's life: apply the leader's messages until it says stop.
     Raises (and so the process exits) on anything else it cannot do."""
-    pool = KVPool(tp.cfg.num_layers, tp.n_kv, tp.cfg.head_dim, n_blocks, page, dtype=tp.dtype, heads_major=True)
+    pool = KVPool(tp.cfg.num_layers, tp.n_kv, tp.cfg.head_dim, n_blocks, page, dtype=tp.dtype, device=tp.device,
+                  heads_major=tp.heads_major_kv)
     while True:
         msg = tp.group.broadcast(None, wait_s=poll_s, alive=leader_alive)
         for op in decode(msg):

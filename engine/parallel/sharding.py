@@ -17,7 +17,8 @@ import dataclasses
 
 from superfluid.engine.config import ModelConfig
 
-__all__ = ["MAX_PARTS", "MAX_TP", "Shard", "TpError", "reduction_parts", "vocab_ranges"]
+__all__ = ["MAX_PARTS", "MAX_TP", "Shard", "TpError", "kv_block_heads", "reduction_parts", "vocab_blocks",
+           "vocab_ranges"]
 
 # The pieces a row-parallel layer reduces in: more pieces allow higher degrees
 # and cost TP=1 a little (pieces of fewer inputs, one more add each).
@@ -40,11 +41,27 @@ def reduction_parts(cfg: ModelConfig) -> int:
     return g
 
 
-def vocab_ranges(vocab: int, world: int) -> list[range]:
-    """Contiguous vocabulary ranges, one a rank, aligned, the last one shorter."""
-    per = -(-vocab // world)
+def vocab_blocks(vocab: int, parts: int) -> list[range]:
+    """The vocabulary in `parts` fixed blocks, aligned, the last ones shorter
+    (or empty): the LM head's GEMMs on the torch and Triton backends, the same
+    shapes at every degree."""
+    per = -(-vocab // parts)
     per = -(-per // _VOCAB_ALIGN) * _VOCAB_ALIGN
-    return [range(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(world)]
+    return [range(min(b * per, vocab), min((b + 1) * per, vocab)) for b in range(parts)]
+
+
+def vocab_ranges(vocab: int, world: int, parts: int = MAX_PARTS) -> list[range]:
+    """Contiguous vocabulary ranges, one a rank: each rank's run of
+    vocab_blocks (`world` divides `parts`)."""
+    blocks = vocab_blocks(vocab, parts)
+    per = parts // world
+    return [range(blocks[r * per].start, blocks[(r + 1) * per - 1].stop) for r in range(world)]
+
+
+def kv_block_heads(cfg: ModelConfig, parts: int) -> int:
+    """KV heads in one of k_proj's (and v_proj's) fixed blocks: a rank holds
+    whole blocks at every degree (a replicated head is one block)."""
+    return cfg.num_kv_heads // parts if cfg.num_kv_heads % parts == 0 else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +106,7 @@ class Shard:
                           f"replicate evenly over them")
         per_i = inter // world
         return cls(rank, world, parts, heads, kv_heads, range(rank * per_i, (rank + 1) * per_i),
-                   vocab_ranges(cfg.vocab_size, world)[rank])
+                   vocab_ranges(cfg.vocab_size, world, parts)[rank])
 
     def rows_of(self, name: str, cfg: ModelConfig) -> tuple[str, range] | None:
         """How the HF tensor `name` is cut for this rank: ("rows" | "cols", the

@@ -21,7 +21,7 @@ import torch
 
 from superfluid.engine.config import ModelConfig
 from superfluid.engine.model import Layer
-from superfluid.engine.parallel.group import Group
+from superfluid.engine.parallel.group import Group, bits_gather
 from superfluid.engine.parallel.sharding import Shard, vocab_ranges
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import heads_major
@@ -59,7 +59,8 @@ class TpModel:
         if group.world != shard.world or group.rank != shard.rank:
             raise ValueError(f"a shard of rank {shard.rank}/{shard.world} in a group's rank {group.rank}/{group.world}")
         self.cfg, self.shard, self.group = cfg, shard, group
-        self.backend = CpuBackend()  # type: ignore[no-untyped-call]
+        self.backend = self.backend_view = CpuBackend()  # type: ignore[no-untyped-call]
+        self.heads_major_kv = True
         cpu = self.cpu = self.backend.cpu
         self.device = torch.device("cpu")
         self.dtype = dtype
@@ -73,7 +74,7 @@ class TpModel:
         self.embed = w["model.embed_tokens.weight"].contiguous()
         self.lm_head = cpu.pack(w.get("lm_head.weight", self.embed))
         self.norm = w["model.norm.weight"].float().contiguous()
-        self.vocab = vocab_ranges(cfg.vocab_size, shard.world)
+        self.vocab = vocab_ranges(cfg.vocab_size, shard.world, shard.parts)
         local = shard.local_parts
 
         def f32(name: str) -> torch.Tensor | None:
@@ -168,9 +169,10 @@ class TpModel:
             h = cpu.rmsnorm(x, L.mlp_norm, eps)
             self._reduce(cpu.linear_parts(cpu.silu_mul(cpu.linear(h, L.gate_up)), L.down), x, L.down.bias)
 
-    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[world, *t.shape] of every rank's t (bf16 moved as int16 bits)."""
         t0 = time.perf_counter()
-        out = self.group.all_gather(t)
+        out = bits_gather(self.group, t)
         self.stats.collective_s += time.perf_counter() - t0
         return out
 
@@ -184,7 +186,7 @@ class TpModel:
         x = torch.zeros((tokens.shape[0], self.cfg.hidden_size), dtype=torch.float32)
         if bool(mine.any()):
             x[mine] = self.cpu.embed(self.embed, tokens[mine] - v.start)
-        every = self._all_gather(x)  # [world, n, hidden]
+        every = self.all_gather(x)  # [world, n, hidden]
         owner = torch.bucketize(tokens, torch.tensor([r.stop for r in self.vocab[:-1]]), right=True)
         return every[owner, torch.arange(tokens.shape[0])].contiguous()
 
@@ -201,7 +203,7 @@ class TpModel:
                 s += bias
             x += s
             return
-        every = self._all_gather(parts)  # [world, local pieces, n, hidden]
+        every = self.all_gather(parts)  # [world, local pieces, n, hidden]
         self.cpu.combine(every.view(self.parts, *parts.shape[1:]), x, bias)
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -211,7 +213,7 @@ class TpModel:
         width = max(len(r) for r in self.vocab)
         if logits.shape[1] < width:
             logits = torch.cat([logits, logits.new_zeros((logits.shape[0], width - logits.shape[1]))], 1)
-        every = self._all_gather(logits.contiguous())  # [world, rows, width]
+        every = self.all_gather(logits.contiguous())  # [world, rows, width]
         if self.group.rank != 0:
             return None
         return torch.cat([every[r, :, :len(v)] for r, v in enumerate(self.vocab)], 1)

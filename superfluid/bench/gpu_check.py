@@ -5,10 +5,13 @@ compiled, not interpreted), it runs in turn:
 
   kernels        pytest -q tests/kernels
   engine_triton  the oracle and invariance tests with SUPERFLUID_TEST_BACKEND=triton
+  tp             tests/engine/test_tp_backends.py on the triton backend: TP=2
+                 and TP=4 bitwise TP=1 (ranks sharing one GPU through host
+                 copies; NCCL for TP=2 where there are two GPUs)
   bench          superfluid bench engine --device cuda --json
 
-each under its own timeout and all under one total budget (default 450 s,
-under 8 minutes with start-up), and writes one JSON: per part its exit
+each under its own timeout and all under one total budget (default 520 s,
+under 9 minutes with start-up), and writes one JSON: per part its exit
 code, duration and last lines of output, and the bench's JSON. It exits 1
 if a part failed. Without a GPU it writes and prints {"gpu": false, ...}
 and exits 0.
@@ -28,6 +31,7 @@ from typing import Any
 
 ENGINE_TESTS = ("tests/engine/test_oracle.py", "tests/engine/test_invariance.py",
                 "tests/engine/test_invariance_wide.py", "tests/kernels/test_triton_engine.py")
+TP_TESTS = "tests/engine/test_tp_backends.py"
 TAIL_LINES = 40
 
 
@@ -39,7 +43,9 @@ def parts() -> list[tuple[str, list[str], dict[str, str], int]]:
         ("kernels", [py, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"], {}, 150),
         ("engine_triton", [py, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *ENGINE_TESTS],
          {"SUPERFLUID_TEST_BACKEND": "triton"}, 100),
-        ("bench", [py, "-P", "-m", "superfluid", "bench", "engine", "--device", "cuda", "--json"], {}, 200),
+        ("tp", [py, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", TP_TESTS],
+         {"SUPERFLUID_TEST_BACKEND": "triton"}, 90),
+        ("bench", [py, "-P", "-m", "superfluid", "bench", "engine", "--device", "cuda", "--json"], {}, 180),
     ]
 
 
@@ -63,7 +69,7 @@ def run_part(argv: list[str], env: dict[str, str], timeout: float) -> dict[str, 
             "duration_s": round(time.monotonic() - t0, 1), "stdout": out, "stderr": err}
 
 
-def check(budget_s: float = 450.0) -> dict[str, Any]:
+def check(budget_s: float = 520.0) -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m superfluid.bench.gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="where the JSON goes")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for all parts together")
+    ap.add_argument("--budget", type=float, default=520.0, help="seconds for all parts together")
     args = ap.parse_args(argv)
     report = check(args.budget)
     text = json.dumps(report, indent=2)

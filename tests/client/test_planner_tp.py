@@ -47,22 +47,36 @@ def _stop(d: Serve) -> None:
         d.close()
 
 
-def test_a_tp2_worker_gives_the_planner_the_tokens_of_a_tp1_worker(tmp_path):
-    assert {r["sampling"] for r in wl.load(WORKLOAD)[1]} == {GPU_GREEDY, GPU_SAMPLE, HOST}
+def _tp2_and_tp1(tmp_path, tag: str, workload: dict) -> tuple[dict, dict]:
     # Both load at once; one thread a rank (two ranks on a two-core box).
-    two = Serve(tmp_path, f"pltp2{os.getpid()}", "--tp", "2", "--threads", "1", "--tp-timeout", "60")
-    one = Serve(tmp_path, f"pltp1{os.getpid()}", "--threads", "1")
+    two = Serve(tmp_path, f"{tag}2{os.getpid()}", "--tp", "2", "--threads", "1", "--tp-timeout", "60")
+    one = Serve(tmp_path, f"{tag}1{os.getpid()}", "--threads", "1")
     got: dict = {}
     want: dict = {}
     try:
         for d, out in ((two, got), (one, want)):
             with Client.connect(d.name, 0, timeout=120) as c:
                 p = c.parallel(timeout=120)
-                out.update(wl.run(c, WORKLOAD, timeout=300), parallel=(p.tp, p.nnodes))
+                out.update(wl.run(c, workload, timeout=300), parallel=(p.tp, p.nnodes))
             _stop(d)  # its ranks leave the cores to the next run
     finally:
         for d in (two, one):
             _stop(d)
     assert (got["parallel"], want["parallel"]) == ((2, 1), (1, 1))
     assert all(r["tokens"] for r in want["results"]), want
+    return got, want
+
+
+def test_a_tp2_worker_gives_the_planner_the_tokens_of_a_tp1_worker(tmp_path):
+    assert {r["sampling"] for r in wl.load(WORKLOAD)[1]} == {GPU_GREEDY, GPU_SAMPLE, HOST}
+    got, want = _tp2_and_tp1(tmp_path, "pltp", WORKLOAD)
+    assert got["results"] == want["results"]
+
+
+def test_the_same_on_the_torch_ops(tmp_path, monkeypatch):
+    """The daemon's ranks on the torch backend's reference ops (the path a
+    GPU takes, engine/blocked.py): each rank process makes the same choice."""
+    monkeypatch.setenv("SUPERFLUID_CPU_KERNELS", "0")
+    small = dict(WORKLOAD, requests=WORKLOAD["requests"][:3] + WORKLOAD["requests"][4:5])
+    got, want = _tp2_and_tp1(tmp_path, "pltt", small)
     assert got["results"] == want["results"]
