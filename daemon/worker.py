@@ -285,6 +285,17 @@ def thread_layout(args: argparse.Namespace) -> None:
         cpu.own_threads()
 
 
+def make_executor(args: argparse.Namespace, runtime, rings, *, epoch: int, fatal_exit: bool,  # type: ignore[no-untyped-def]
+                  state_bytes: int | None = None):
+    """The worker's executor over `runtime` as its options say (whatever
+    re-runs a worker's input builds it here too, so it is the same one)."""
+    from superfluid.executor import Executor
+
+    return Executor(runtime, rings, epoch=epoch, fatal_exit=fatal_exit, fault_injection=args.fault_injection,
+                    cache_max_bytes=args.cache_bytes, host_cache_bytes=args.host_cache_bytes,
+                    max_leases=args.max_leases, state_dir=args.state_dir, state_dir_bytes=state_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="superfluid-worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     from superfluid.daemon.control import Control
     from superfluid.daemon.segment_rings import SegmentRings
     from superfluid.daemon.worker_loop import Worker
-    from superfluid.executor import Executor
     from superfluid.rings.errors import SegmentError
     from superfluid.rings.layout import SegmentConfig
     from superfluid.rings.segment import Segment
@@ -344,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # made again if someone removed it; a restart may mend what stops that
         print(f"superfluid worker: --state-dir {args.state_dir}: {e.strerror}", file=sys.stderr)
         return EXIT_LOAD
-    ex = Executor(runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
-                  fault_injection=args.fault_injection, cache_max_bytes=args.cache_bytes,
-                  host_cache_bytes=args.host_cache_bytes, max_leases=args.max_leases, state_dir=args.state_dir,
-                  state_dir_bytes=state_bytes)
+    ex = make_executor(args, runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True, state_bytes=state_bytes)
     status = Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
     runtime.close()  # a tensor-parallel leader tells its followers to stop (they exit 0)
     return status
