@@ -68,6 +68,8 @@ class Fault(enum.IntEnum):
     GRAMMAR_OVERFLOW = 3
     REF_SPAN_OOB = 4
     INJECTED = 5
+    NUMERIC = 6
+    DETAIL_INJECTED = 9223372036854775808
 
 
 class ShedKind(enum.IntEnum):
@@ -118,6 +120,9 @@ class OpKind(enum.IntEnum):
     CACHE_CLEAR = 12
     LIST_LANES = 13
     RETIRE_LANES = 14
+    INSTALL_FAULTS = 15
+    LIST_FAULTS = 16
+    CLEAR_FAULTS = 17
 
 
 class OpStatus(enum.IntEnum):

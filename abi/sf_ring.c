@@ -170,6 +170,9 @@ const char *sf_op_name(uint32_t v) {
     case SF_OP_CACHE_CLEAR: return "CACHE_CLEAR";
     case SF_OP_LIST_LANES: return "LIST_LANES";
     case SF_OP_RETIRE_LANES: return "RETIRE_LANES";
+    case SF_OP_INSTALL_FAULTS: return "INSTALL_FAULTS";
+    case SF_OP_LIST_FAULTS: return "LIST_FAULTS";
+    case SF_OP_CLEAR_FAULTS: return "CLEAR_FAULTS";
     default: return "unknown";
     }
 }

@@ -125,7 +125,12 @@ extern "C" {
 #define SF_FAULT_INTERNAL 2        /* a runtime error that is the lane's */
 #define SF_FAULT_GRAMMAR_OVERFLOW 3 /* the lane's grammar matcher failed (a mask or an accept) */
 #define SF_FAULT_REF_SPAN_OOB 4    /* the emit did not fit the token ring */
-#define SF_FAULT_INJECTED 5        /* op INJECT_FAULT */
+#define SF_FAULT_INJECTED 5        /* op INJECT_FAULT, or a fault schedule's lane fault without a code */
+#define SF_FAULT_NUMERIC 6         /* the lane's logits row was not finite: no token is drawn from it */
+/* A logits row is not finite when it holds a NaN or +inf, or no finite value. LaneFault.detail has
+ * this bit (1 << 63) set when the fault was injected (op INJECT_FAULT, a fault schedule); the rest
+ * of detail is the code-specific value, as without it. */
+#define SF_FAULT_DETAIL_INJECTED 0x8000000000000000
 
 /* ----------------------------------------------- ShedEntry.kind, .reason */
 #define SF_SHED_CACHE_EVICTION 1
@@ -169,6 +174,9 @@ extern "C" {
 #define SF_OP_CACHE_CLEAR 12
 #define SF_OP_LIST_LANES 13
 #define SF_OP_RETIRE_LANES 14
+#define SF_OP_INSTALL_FAULTS 15
+#define SF_OP_LIST_FAULTS 16
+#define SF_OP_CLEAR_FAULTS 17
 
 /* Ops. An op is a msgpack map in an SF_MSG_OP slot ("Wire rules"): "op" (the name, any case, or
  * the SF_OP_* code), "op_id" (u64, default 0; echoed in OpCompletion.op_id: give each op its own),
@@ -277,9 +285,33 @@ extern "C" {
  *   export is written whole to a temporary file (.sf-write.*) before it takes its name.
  *   An executor without a state directory (in process, by default) takes no paths.
  * INJECT_FAULT  lane_tag int (required), code (default SF_FAULT_INJECTED; one of SF_FAULT_*). The
- *   lane faults with that code (a LaneFault, detail 0) the next time a plan decodes it. value =
- *   lane_tag. Refused: the worker runs without fault injection (SegmentHeader.fault_injection 0);
- *   NoMatch: no live lane with that tag.
+ *   lane faults with that code (a LaneFault, detail SF_FAULT_DETAIL_INJECTED) the next time a plan
+ *   decodes it. value = lane_tag. Refused: the worker runs without fault injection
+ *   (SegmentHeader.fault_injection 0); NoMatch: no live lane with that tag.
+ * INSTALL_FAULTS  rules [map] (required, may be empty), seed u64 (default 0). Replaces the
+ *   worker's fault schedule (docs/faults.md; `serve --fault-schedule FILE` installs the same JSON
+ *   object at every start of a worker). A rule is {when, what, times}: when one of {tick: N} (the
+ *   worker's N-th accepted tick, N >= 1), {token: K, lane: TAG (optional)} (a lane about to take
+ *   its K-th generated token, K >= 1), {op: NAME, nth: N} (the N-th op of that kind, counted from
+ *   the install), {chance: P} (each accepted tick, with probability P in (0, 1], drawn from seed
+ *   and the tick's number: the same seed gives the same faults); tick and chance rules may name a
+ *   lane too. what one of {fault: CODE} (the lane faults with that SF_FAULT_* code or name,
+ *   default INJECTED; tick and chance rules: the named lane, else every lane the plan decodes),
+ *   {fatal: "prefill" | "decode"} (the runtime fails fatally at its next step of that phase: the
+ *   worker exits 70), {capacity: "prefill" | "decode"} (the next step of that phase fails for lack
+ *   of memory: its lanes fault OOM_TENTATIVE), {stall_ms: S, during: "prefill" | "decode"} (the
+ *   next step of that phase first sleeps S ms, holding the worker as a hang would), {slow_ms: S,
+ *   ticks: T} (every step of the next T accepted ticks takes S ms longer), {nan: true} (the lane's
+ *   next logits row is NaN: its sampler faults it NUMERIC). A token rule's phase is decode; an op
+ *   rule takes only fatal or stall_ms (the op fails or sleeps). times u32 >= 1: how often the rule
+ *   fires (default 1; a chance rule without it: every time it draws). Every fault a rule causes is
+ *   reported as the real one is, with SF_FAULT_DETAIL_INJECTED in a LaneFault's detail; counted in
+ *   the worker's faults_injected metric. value = rules installed. BadRequest naming the field
+ *   (e.g. "rules[1].when.token"); Refused: no fault injection.
+ * LIST_FAULTS  no fields. value = rules installed; payload {seed, rules: [{when, what, times,
+ *   fired}]} (times absent: unlimited). Refused: no fault injection.
+ * CLEAR_FAULTS  no fields. Drops every rule and whatever they armed. value = rules dropped.
+ *   Refused: no fault injection.
  * CACHE_CLEAR  no fields. Drops every unpinned prefix-cache entry, in the pool and in host memory
  *   (leased ones stay). value = bytes freed in the pool; each pool entry dropped is a CACHE_EVICTION
  *   ShedEntry (reason CLEARED) in the next accepted tick's ShedReport. Refused: fatal.
@@ -302,7 +334,7 @@ extern "C" {
 #define SF_OPST_BadRequest 1     /* not a msgpack map, or a field missing, of the wrong type or range */
 #define SF_OPST_UnknownOp 2      /* "op" names no SF_OP_* (OpCompletion.op is then 0) */
 #define SF_OPST_UnknownHandle 3  /* no such handle: RELEASE_*, EXPORT_ENTRY */
-#define SF_OPST_Refused 4        /* INJECT_FAULT without fault injection; in-process, a fatal error */
+#define SF_OPST_Refused 4        /* fault ops without fault injection; in-process, a fatal error */
 #define SF_OPST_Unsupported 5    /* not here: grammars (no tokenizer), strategies (no step_rows) */
 #define SF_OPST_NoMatch 6        /* nothing to act on: no usable prefix (LEASE_SEED), no such lane */
 #define SF_OPST_Capacity 7       /* a table or the pool is full, or the completion fits no event slot */

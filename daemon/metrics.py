@@ -22,6 +22,7 @@ import numpy as np
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status
 from superfluid.executor import SPEC_MAX_BUCKET as _SPEC_MAX_BUCKET, SPEC_SLOTS as _SPEC_SLOTS
+from superfluid.executor.faults import KINDS as _FAULT_KINDS
 
 PREFIX = "superfluid_worker_"
 DAEMON_LABEL = "daemon"  # the daemon's --name
@@ -56,6 +57,7 @@ _LAYOUT: tuple[tuple[str, int], ...] = (
     ("tick_buckets", len(_BOUNDS_NS) + 1), ("rejects_by_status", len(_STATUS)),
     ("sheds_by_reason", len(_SHED_REASON)), ("ops_by_status", len(_OP_STATUS)),
     ("spec_proposed", 1), ("spec_accepted", 1), ("partial_dropped", 1),
+    ("faults_injected", len(_FAULT_KINDS)),
     # gauges (cleared by restarted())
     ("live_lanes", 1), ("cache_entries", 1), ("cache_bytes", 1),
     ("kv_blocks_used", 1), ("kv_blocks_total", 1), ("blocked_since_ns", 1),
@@ -82,6 +84,7 @@ _KV_USED, _KV_TOTAL, _BLOCKED = _AT["kv_blocks_used"], _AT["kv_blocks_total"], _
 _PREFILL_CHUNK, _CACHE_EVICTION = int(ShedKind.PREFILL_CHUNK), int(ShedKind.CACHE_EVICTION)
 _PROPOSED, _ACCEPTED, _PARTIAL_DROPPED = _AT["spec_proposed"], _AT["spec_accepted"], _AT["partial_dropped"]
 _GATE0, _DRAFT_NS0, _PLAIN_NS0 = _AT["spec_gate_state"], _AT["spec_draft_ns_per_token"], _AT["spec_plain_ns_per_token"]
+_FAULTS0 = _AT["faults_injected"]
 
 
 class WorkerMetrics:
@@ -231,6 +234,10 @@ class WorkerMetrics:
                 for base, key in ((_DRAFT_NS0, "draft_s_per_token"), (_PLAIN_NS0, "plain_s_per_token")):
                     v = b[key]
                     w[base + at] = round(v * 1e9) if v is not None and v > 0 else 0
+
+    def fault_injected(self, kind: str) -> None:
+        """A fault schedule's (or INJECT_FAULT's) fault happened (executor/faults.py KINDS)."""
+        self._w[_FAULTS0 + _FAULT_KINDS.index(kind)] += 1
 
     def partial_dropped(self) -> None:
         """A partial emit dropped: the stream queue stayed full."""

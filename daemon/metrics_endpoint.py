@@ -25,6 +25,7 @@ from superfluid.daemon.metrics import (
     TICK_BUCKETS_S,
     WorkerMetrics,
 )
+from superfluid.executor.faults import KINDS as _FAULT_KINDS
 
 
 def exit_reason(status: int) -> str:
@@ -83,6 +84,8 @@ _BY_LABEL = (
     ("sheds", "sheds_by_reason", "reason", _SHED_REASON, ("unknown",),
      "Shed entries (prefill chunks and evictions), by ShedReason."),
     ("op_completions", "ops_by_status", "status", _OP_STATUS, ("unknown",), "Op completions, by OpStatus."),
+    ("faults_injected", "faults_injected", "kind", _FAULT_KINDS, (), "Faults injected (fault schedules, "
+     "INJECT_FAULT), by kind: lane_fault, fatal, capacity, stall, slow, nan."),
 )
 # From status.worker_snapshot: (metric suffix, key, counter?, help).
 _SNAPSHOT = (

@@ -123,6 +123,16 @@ def check(args: argparse.Namespace, machine: Machine | None = None) -> Checked:
     if args.workers * here > OVERSUBSCRIBED * machine.cores:
         raise Refused(f"--tp {args.tp}: {args.workers} worker(s) of {here} rank processes each here, more than "
                       f"{OVERSUBSCRIBED} per core of the {machine.cores} this machine gives the daemon")
+    if getattr(args, "fault_schedule", None):
+        if not args.fault_injection:
+            raise Refused(f"--fault-schedule {args.fault_schedule}: needs --fault-injection")
+        from superfluid.daemon.worker import read_fault_schedule
+
+        args.fault_schedule = os.path.abspath(args.fault_schedule)  # the workers read the very same file
+        try:
+            read_fault_schedule(args.fault_schedule)
+        except ValueError as e:
+            raise Refused(str(e)) from None
     vocab = args.fake_vocab
     if not args.fake:
         vocab = _check_model(args, machine)

@@ -28,6 +28,7 @@ import signal
 import sys
 
 from superfluid.daemon.status import DEFAULT_NAME
+from superfluid.daemon.watchdog import DEFAULT_TICK_TIMEOUT_S
 from superfluid.daemon.worker import add_runtime_args
 from superfluid.rings.naming import NAME_RE
 
@@ -150,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
                 fault_injection=args.fault_injection,
                 restart_backoff=args.restart_backoff, restart_backoff_max=args.restart_backoff_max,
                 crash_loop=args.crash_loop, stop_timeout=args.stop_timeout, metrics_port=args.metrics_port,
-                tp=args.tp, nnodes=args.nnodes)
+                tp=args.tp, nnodes=args.nnodes, tick_timeout=args.tick_timeout)
             daemon.start()
         except (SegmentError, ValueError) as e:  # e.g. --name of a daemon that runs: refused, as options are
             print(f"superfluid serve: {e}", file=sys.stderr)
@@ -176,12 +177,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--name", type=_name, default=DEFAULT_NAME,
                    help=f"the daemon's name, in segment names (default {DEFAULT_NAME!r})")
-    p.add_argument("--fault-injection", action="store_true", help="allow op INJECT_FAULT (tests)")
+    p.add_argument("--fault-injection", action="store_true",
+                   help="allow the fault ops (INJECT_FAULT, INSTALL_FAULTS, ...) and --fault-schedule (tests)")
     p.add_argument("--restart-backoff", type=_seconds, default=1.0,
                    help="seconds before restarting a dead worker, doubled per recent failure (default 1)")
     p.add_argument("--restart-backoff-max", type=_seconds, default=30.0, help="cap on that backoff (default 30)")
     p.add_argument("--crash-loop", type=parse_crash_loop, default=(5, 60.0), metavar="N/WINDOW",
                    help="give up on a worker after N failures within WINDOW seconds (default 5/60)")
+    p.add_argument("--tick-timeout", type=_seconds, default=DEFAULT_TICK_TIMEOUT_S, metavar="S",
+                   help="restart a worker whose tick or op has held its loop for S seconds (a hang); above the "
+                        f"longest tick the model runs (default {DEFAULT_TICK_TIMEOUT_S:g}; 0: no watchdog)")
     p.add_argument("--stop-timeout", type=_seconds, default=10.0,
                    help="seconds workers get to stop before SIGKILL (default 10)")
     p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")

@@ -29,6 +29,7 @@ serve_forever() on a thread that lives until the daemon is done.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -54,6 +55,7 @@ from .metrics_endpoint import DaemonCounters, MetricsServer, exit_reason, make_r
 from .segment_ownership import check_no_live_daemon, register_in_process, release_in_process, remove_stale_segments
 from .status import worker_snapshot
 from .tp_ranks import Rank, TpRanks
+from .watchdog import DEFAULT_TICK_TIMEOUT_S, check_interval, stall_age
 from .worker import EXIT_UNSERVABLE
 from .worker_exits import EXIT_SPAWN_FAILED, KILL_WAIT_S, describe_exit, die_with_parent, open_pidfd, short_exit
 
@@ -96,6 +98,7 @@ class _Worker:
     control: socket.socket | None = None  # the daemon's end of the worker's command channel
     metrics: Any = None  # the WorkerMetrics block this slot's workers record into
     ranks: TpRanks | None = None  # --tp > 1: the leader's followers
+    stalled: bool = False  # killed by the stall watchdog (its exit is counted as "stalled")
 
 
 class Daemon:
@@ -114,7 +117,8 @@ class Daemon:
                  crash_loop: tuple[int, float] = (5, 60.0), stop_timeout: float = 10.0,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  handle_signals: bool = True, python: str = sys.executable,
-                 env: Mapping[str, str] | None = None, tp: int = 1, nnodes: int = 1):
+                 env: Mapping[str, str] | None = None, tp: int = 1, nnodes: int = 1,
+                 tick_timeout: float = DEFAULT_TICK_TIMEOUT_S):
         segment_path(name, max(0, workers - 1))  # a bad name or count fails here, before anything is made
         if workers < 1:
             raise ValueError(f"workers = {workers}: must be >= 1")
@@ -125,6 +129,9 @@ class Daemon:
         if tp < 1:
             raise ValueError(f"tp = {tp}: must be >= 1")
         self.name = name
+        if tick_timeout < 0:
+            raise ValueError(f"tick_timeout = {tick_timeout}: must be >= 0 (0: no stall watchdog)")
+        self.tick_timeout = tick_timeout
         self.tp = tp  # rank processes a worker's group has (worker_args carry --tp for them)
         self.nnodes = nnodes  # machines they span: this one runs the first tp / nnodes
         self.n_workers = workers
@@ -261,6 +268,8 @@ class Daemon:
         due = [w.restart_at - now for w in self._workers if w.restart_at is not None]
         if any(w.proc is not None and not w.ready for w in self._workers):
             due.append(READY_CHECK_S)
+        if self.tick_timeout and any(w.ready for w in self._workers):
+            due.append(check_interval(self.tick_timeout))
         return max(0.0, min(due)) if due else None
 
     def _step(self, timeout: float | None) -> None:
@@ -276,6 +285,7 @@ class Daemon:
             log.info("stop requested")
             self._stopping = True
         self._check_ready()
+        self._watch_stalls()
         now = time.monotonic()
         for w in self._workers:
             if w.restart_at is not None and w.restart_at <= now and not self._stopping:
@@ -381,6 +391,25 @@ class Daemon:
                          w.index, w.epoch, w.proc.pid, time.monotonic() - w.started, rid, rt.vocab_size,
                          rt.max_batch)
 
+    def _watch_stalls(self) -> None:
+        """Kill a ready worker whose heartbeat has not moved for --tick-timeout (watchdog.py)."""
+        if not self.tick_timeout or self._stopping:
+            return
+        now = time.monotonic_ns()
+        for w in self._workers:
+            if w.proc is None or not w.ready or w.stalled:
+                continue
+            c = w.seg.counters
+            age = stall_age(c.heartbeat_ns, now, self.tick_timeout)
+            if age is None:
+                continue
+            log.error("worker %d (pid %d, epoch %d) stalled: its loop has not moved for %.1f s (--tick-timeout "
+                      "%g; %d ticks, last plan_seq %d; a tick or an op did not return): killing it", w.index,
+                      w.proc.pid, w.epoch, age, self.tick_timeout, c.ticks, c.last_plan_seq)
+            w.stalled = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.proc.pid, signal.SIGKILL)
+
     def _unwatch(self, w: _Worker) -> int:
         """Stop watching w's exited process; its exit status."""
         assert w.proc is not None and self._loop is not None
@@ -412,7 +441,9 @@ class Daemon:
         """A worker ended (or could not start) while the daemon serves."""
         h = w.seg.header
         h.last_exit_status = status
-        self.counters.exited(w.index, "spawn_failed" if status == EXIT_SPAWN_FAILED else exit_reason(status))
+        reason = "stalled" if w.stalled else "spawn_failed" if status == EXIT_SPAWN_FAILED else exit_reason(status)
+        w.stalled = False
+        self.counters.exited(w.index, reason)
         if status == EXIT_UNSERVABLE:
             w.gave_up = True
             w.seg.set_worker_state(WorkerState.GAVE_UP)

@@ -196,6 +196,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
                    help="weights and KV: fp32, or bf16 (half the bytes; activations stay float32 on a CPU); "
                         "default auto: fp32 on a CPU, the checkpoint's on a GPU; a Mamba2 model: fp32 only")
+    p.add_argument("--fault-schedule", metavar="FILE",
+                   help="a fault schedule (JSON: {seed, rules}; docs/faults.md) installed at every start of a "
+                        "worker; needs --fault-injection")
     p.add_argument("--cache-bytes", type=_bytes_or_auto, default="auto",
                    help="bytes of the KV pool that published prefixes may keep (default auto: half the pool)")
     p.add_argument("--host-cache-bytes", type=_at_least(0), default=1 << 30,
@@ -291,9 +294,32 @@ def make_executor(args: argparse.Namespace, runtime, rings, *, epoch: int, fatal
     re-runs a worker's input builds it here too, so it is the same one)."""
     from superfluid.executor import Executor
 
-    return Executor(runtime, rings, epoch=epoch, fatal_exit=fatal_exit, fault_injection=args.fault_injection,
-                    cache_max_bytes=args.cache_bytes, host_cache_bytes=args.host_cache_bytes,
-                    max_leases=args.max_leases, state_dir=args.state_dir, state_dir_bytes=state_bytes)
+    ex = Executor(runtime, rings, epoch=epoch, fatal_exit=fatal_exit, fault_injection=args.fault_injection,
+                  cache_max_bytes=args.cache_bytes, host_cache_bytes=args.host_cache_bytes,
+                  max_leases=args.max_leases, state_dir=args.state_dir, state_dir_bytes=state_bytes)
+    if args.fault_schedule:
+        ex.install_faults(read_fault_schedule(args.fault_schedule))
+    return ex
+
+
+def read_fault_schedule(path: str):  # type: ignore[no-untyped-def]
+    """--fault-schedule FILE's schedule; ValueError naming the file and the field."""
+    import json
+
+    from superfluid.executor.faults import parse_schedule
+    from superfluid.executor.op_fields import OpError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--fault-schedule {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"--fault-schedule {path}: expected a JSON object {{\"seed\": ..., \"rules\": [...]}}")
+    try:
+        return parse_schedule(doc.get("rules"), doc.get("seed", 0))
+    except OpError as e:
+        raise ValueError(f"--fault-schedule {path}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # made again if someone removed it; a restart may mend what stops that
         print(f"superfluid worker: --state-dir {args.state_dir}: {e.strerror}", file=sys.stderr)
         return EXIT_LOAD
-    ex = make_executor(args, runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True, state_bytes=state_bytes)
+    try:
+        ex = make_executor(args, runtime, SegmentRings(seg), epoch=args.epoch, fatal_exit=True,
+                           state_bytes=state_bytes)
+    except ValueError as e:  # the fault schedule (the daemon checked it: the file changed since)
+        print(f"superfluid worker: {e}", file=sys.stderr)
+        return EXIT_UNSERVABLE
+    if metrics is not None:
+        ex.fault_sink = metrics.fault_injected
     status = Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
     runtime.close()  # a tensor-parallel leader tells its followers to stop (they exit 0)
     return status

@@ -51,6 +51,7 @@ from superfluid.engine.fake_faults import FaultInjection
 from superfluid.engine.fake_rows import FakeModel, FakeSeq
 from superfluid.engine.fake_stats import FakeStats, spend
 from superfluid.engine.runtime import (
+    NONFINITE,
     CapacityError,
     Feed,
     MemCounters,
@@ -63,6 +64,7 @@ from superfluid.engine.runtime import (
     Unsupported,
     Vocabulary,
     check_masks,
+    row_finite,
 )
 
 
@@ -327,8 +329,13 @@ class FakeRuntime(FaultInjection, Runtime):
         mask_of = {} if masks is None else dict(zip(masks.rows, masks.bits))
         done = self._advance(feeds)
         out = []
-        for i, ((s, _), sp) in enumerate(zip(done, specs)):
+        for i, ((s, _), sp, f) in enumerate(zip(done, specs, feeds)):
             row = self._model.row(s.chain[-1], len(s.tokens))
+            if f.seq in self.nan_rows:
+                row = np.full_like(row, np.nan)
+            if not row_finite(row):
+                out.append(NONFINITE)
+                continue
             if i in mask_of:
                 from superfluid.kernels.bitmask import apply_bitmask_row
 

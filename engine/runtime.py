@@ -204,6 +204,17 @@ class Vocabulary:
     specials: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+# step_sampled's token for a feed whose logits row was not finite: no token
+# is drawn from garbage; the executor faults the lane SF_FAULT_NUMERIC.
+NONFINITE = -1
+
+
+def row_finite(row: np.ndarray) -> bool:
+    """Whether a logits row can be sampled: no NaN, no +inf, some finite value
+    (-inf alone is a banned token). One reduction: a NaN or +inf is the max."""
+    return bool(np.isfinite(row.max()))
+
+
 # ------------------------------------------------------------ the interface
 
 
@@ -211,6 +222,10 @@ class Runtime(abc.ABC):
     """The primitives of contract §8. Sequence ids are opaque ints > 0."""
 
     desc: RuntimeDescription
+    # Fault injection (engine/fault_runtime.py): sequences whose logits rows
+    # of the next step_sampled are NaN before sampling (a runtime that samples
+    # on the device honours it; rows step returns are poisoned by the wrapper).
+    nan_rows: frozenset[int] = frozenset()
 
     @abc.abstractmethod
     def seq_create(self) -> int:
@@ -255,8 +270,9 @@ class Runtime(abc.ABC):
                      masks: TokenMasks | None = None) -> list[int] | None:
         """As step (every feed wants a row), but the row of each feed is
         sampled on the device with its spec, after its grammar mask if
-        `masks` names it; the tokens, in feed order. None where the runtime
-        does not sample (the caller samples rows)."""
+        `masks` names it; the tokens, in feed order, NONFINITE for a feed
+        whose row was not finite (row_finite). None where the runtime does
+        not sample (the caller samples rows)."""
         return None
 
     @property

@@ -24,6 +24,7 @@ from superfluid.engine.kv import SeqState
 from superfluid.engine.kv_mirrors import DecodeMirrors
 from superfluid.engine.model import Model
 from superfluid.engine.runtime import (
+    NONFINITE,
     CapacityError,
     FatalError,
     Feed,
@@ -180,6 +181,8 @@ class TransformerRuntime(Runtime):
                 row_index = torch.tensor([int(e) for e, f in zip(ends, feeds) if f.wants_row], dtype=torch.long,
                                          device=dev)
             logits = self.model.forward(tokens, batch, self.pool.k, self.pool.v, row_index)
+            if self.nan_rows:
+                _poison(logits, feeds, all_rows, self.nan_rows)
         except torch.cuda.OutOfMemoryError as e:
             self._restore(states, saved)
             raise CapacityError(f"device memory: {e}") from e
@@ -233,7 +236,12 @@ class TransformerRuntime(Runtime):
         masks = check_masks(masks, len(feeds), self.cfg.vocab_size)
         feeds = [f if f.wants_row else Feed(f.seq, f.tokens, True) for f in feeds]
         logits = self._forward(feeds, all_rows=False)
-        return self.model.backend.sample(logits, specs, masks, consume=True).tolist()
+        bad = ~torch.isfinite(logits.amax(1))  # a NaN or +inf is the max; so is -inf when nothing else is left
+        toks: list[int] = self.model.backend.sample(logits, specs, masks, consume=True).tolist()
+        if bool(bad.any()):
+            for i in bad.nonzero().flatten().tolist():
+                toks[i] = NONFINITE
+        return toks
 
     @property
     def tokenizer_json(self) -> str | None:
@@ -350,3 +358,18 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def _bytes_tensor(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(shape)
 
+
+
+def _poison(logits: torch.Tensor, feeds: Sequence[Feed], all_rows: bool, seqs: frozenset[int]) -> None:
+    """Fault injection: the rows of these sequences' feeds become NaN."""
+    with torch.inference_mode():  # (the forward pass made them inference tensors)
+        _poison_rows(logits, feeds, all_rows, seqs)
+
+
+def _poison_rows(logits: torch.Tensor, feeds: Sequence[Feed], all_rows: bool, seqs: frozenset[int]) -> None:
+    at = 0
+    for f in feeds:
+        n = len(f.tokens) if all_rows else int(f.wants_row)
+        if f.seq in seqs and n:
+            logits[at:at + n] = float("nan")
+        at += n

@@ -23,6 +23,7 @@ from superfluid.abi.records import (
     TickTimings,
 )
 from superfluid.engine.runtime import (
+    NONFINITE,
     CapacityError,
     FatalError,
     Feed,
@@ -30,8 +31,10 @@ from superfluid.engine.runtime import (
     RuntimeFailure,
     SampleSpec,
     TokenMasks,
+    row_finite,
 )
 from superfluid.executor import host_sampling as hs
+from superfluid.executor.faults import INJECTED
 from superfluid.executor.lanes import Lane, PendingRow
 from superfluid.executor.tick_state import TickState
 from superfluid.rings.errors import RefError
@@ -110,7 +113,8 @@ class DecodePhase(TickState):
                 continue
             code = ex.lanes.injected.pop(tag, None)
             if code is not None:
-                self.fault(tag, code)
+                self.fault(tag, code, INJECTED)
+                ex._fault_fired("lane_fault")
                 continue
             if d.max_new_tokens == 0:
                 continue
@@ -245,11 +249,23 @@ class DecodePhase(TickState):
             r.picked.pop(tag, None)
             self._finish(lane, Finish.LENGTH, remaining)
             return None
+        row = None
         if tag in r.picked:
             token = int(r.picked.pop(tag))
             r.masks.pop(tag, None)
+            if token == NONFINITE:
+                self.numeric_fault(lane, remaining)
+                return None
         else:
             row = self.rows.pop(tag)
+            if not row_finite(row):  # no token, nor a HOST row, from garbage
+                r.masks.pop(tag, None)
+                self.numeric_fault(lane, remaining)
+                return None
+        if ex.faults is not None and ex.faults.tokens and self.token_rules(lane, remaining):
+            r.masks.pop(tag, None)
+            return None
+        if row is not None:
             if lane.sampling == _HOST:
                 remaining.pop(tag, None)
                 try:
@@ -267,6 +283,8 @@ class DecodePhase(TickState):
             return None
         lane.committed.append(token)
         lane.rng_counter += 1
+        if ex.faults is not None and ex.faults.tokens and ex.fault_rt is not None:
+            ex.faults.arm_nan(ex, lane, ex.fault_rt)
         out = self.out_tokens[tag]
         if self.partial:
             sink = ex.partial_sink

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from superfluid.abi import ShedReason, Status, TickStatus
 from superfluid.abi.plan_codec import PlanReject, check_plan, decode_plan, plan_seq_of
 from superfluid.abi.records import OpCompletion, ShedReport, TickEvents, TickMemCounters, TickPlan, TickTimings
+from superfluid.engine.fault_runtime import FaultRuntime
 from superfluid.engine.runtime import FatalError, MemCounters, Runtime, RuntimeFailure, Unsupported
 from superfluid.executor.cache import CacheEntry, PrefixCache
 from superfluid.executor.check import Verdict, check, empty_events_fit
+from superfluid.executor.faults import KINDS as FAULT_KINDS, FaultSchedule
 from superfluid.executor.lanes import Lanes
 from superfluid.executor.op_fields import OpMessage
 from superfluid.executor.seeds import DEFAULT_MAX_LEASES, LeaseTable
@@ -81,7 +83,12 @@ class Executor:
                  cache_max_bytes: int | str | None = AUTO, host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
                  max_leases: int = DEFAULT_MAX_LEASES, clock: Callable[[], int] = time.perf_counter_ns,
                  state_dir: str | os.PathLike[str] | None = None, state_dir_bytes: int | None = None):
-        self.runtime = runtime
+        # With fault injection the runtime fails on cue (faults.py, engine/fault_runtime.py).
+        self.fault_rt = FaultRuntime(runtime, self._fault_fired) if fault_injection else None
+        self.runtime = runtime = self.fault_rt or runtime
+        self.faults: FaultSchedule | None = None  # the installed fault schedule (INSTALL_FAULTS)
+        self.faults_injected = dict.fromkeys(FAULT_KINDS, 0)
+        self.fault_sink: Callable[[str], None] | None = None  # told of each injected fault (the worker's metrics)
         self.desc = runtime.desc
         self.rings = rings or LocalRings()
         self.epoch = epoch
@@ -126,6 +133,20 @@ class Executor:
 
     def entry_bytes(self, cells: int) -> int:
         return cells * self.runtime.cell_bytes()
+
+    def _fault_fired(self, kind: str) -> None:
+        self.faults_injected[kind] += 1
+        if self.fault_sink is not None:
+            self.fault_sink(kind)
+
+    def install_faults(self, schedule: FaultSchedule | None) -> int:
+        """Replace the fault schedule (None: clear it, and what it armed); the rules dropped."""
+        dropped = len(self.faults) if self.faults is not None else 0
+        self.faults = schedule if schedule else None
+        if schedule is None and self.fault_rt is not None:
+            self.fault_rt.clear()
+            self.lanes.injected.clear()
+        return dropped
 
     def fatal(self, during: str, err: Exception) -> ExecutorFatal:
         msg = (f"superfluid: the {self.desc.runtime_id} runtime failed in {during} ({err}); "
@@ -212,6 +233,11 @@ class Executor:
         plan = v.plan
         self.counters.last_plan_seq = plan.plan_seq
         self.counters.tick_count += 1
+        fr = self.fault_rt
+        if fr is not None:
+            fr.phase = None
+            if self.faults is not None:
+                self.faults.on_tick(self, plan, fr)
         t = Tick(self, v)
         # A phase whose list is empty has nothing to do: it is not entered.
         for e in v.evict:
@@ -225,14 +251,24 @@ class Executor:
             t.takeovers()
             t.admits()
             self.counters.seeded_tokens += sum(u.n for u in v.seeds.values())
+            if fr is not None and self.faults is not None and self.faults.tokens:
+                for a in plan.admits:  # a nan rule for a first token: the prefill's last row
+                    if (lane := self.lanes.get(a.lane_tag)) is not None:
+                        self.faults.arm_nan(self, lane, fr)
         clock = self.clock
         t_prefill = clock()
         if plan.prefills:
+            if fr is not None:
+                fr.phase = "prefill"
             t.prefill()
         t_decode = clock()
         prefill_ns = t_decode - t_prefill
         if plan.decodes:
+            if fr is not None:
+                fr.phase = "decode"
             t.decode()
+        if fr is not None:
+            fr.phase = None
         t_end = clock()
         if self.steps_done is not None:
             self.steps_done()
@@ -246,7 +282,8 @@ class Executor:
         would meet more (a rule it breaks, evictions to report, a cache over
         its limit, more sequences than slots): the general path takes it."""
         last, limit = self.counters.last_plan_seq, self.cache.max_bytes
-        if (self.dead or (last is not None and plan_seq <= last) or max_decode_lanes > self.desc.max_batch
+        ticking = self.faults is not None and self.faults.ticking  # the general path runs the tick's rules
+        if (self.dead or ticking or (last is not None and plan_seq <= last) or max_decode_lanes > self.desc.max_batch
                 or self.pending.shed or (limit is not None and self.cache.resident_bytes > limit)
                 or not empty_events_fit(self)):
             return None

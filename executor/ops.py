@@ -19,7 +19,7 @@ import numpy as np
 from superfluid.abi import ABI_VERSION, Fault, OpKind, OpStatus, ShedKind, ShedReason
 from superfluid.abi.records import OpCompletion, ShedEntry
 from superfluid.engine.runtime import FatalError, RuntimeFailure
-from superfluid.executor import grammar as gr, host_sampling as hs, speculation as spec
+from superfluid.executor import faults, grammar as gr, host_sampling as hs, speculation as spec
 from superfluid.executor.op_fields import (
     MAX_ERROR_BYTES,
     OpError,
@@ -73,6 +73,11 @@ def run_op(ex: Executor, msg: OpMessage | bytes) -> OpCompletion:
             raise OpError(OpStatus.BadRequest, "field 'op_id': expected an unsigned 64-bit integer")
         op_id = got
         kind = _op_kind(msg.get("op"))
+        if ex.faults is not None and ex.faults.ops and ex.fault_rt is not None:
+            try:
+                ex.faults.on_op(int(kind), ex, ex.fault_rt)
+            except FatalError as err:
+                raise OpError(OpStatus.Refused, str(ex.fatal(kind.name, err))) from err
         handle, value, payload = _OPS[kind](ex, msg)
         return OpCompletion(op_id=op_id, status=int(OpStatus.OK), op=int(kind), handle=handle, value=value,
                             payload=payload)
@@ -195,6 +200,33 @@ def _inject_fault(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     return 0, tag, b""
 
 
+def _fault_ops(ex: Executor) -> None:
+    if not ex.fault_injection:
+        raise OpError(OpStatus.Refused, "fault injection is off (start the worker with --fault-injection)")
+
+
+def _install_faults(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
+    _fault_ops(ex)
+    schedule = faults.parse_schedule(_field(msg, "rules", list), msg.get("seed", 0))
+    ex.install_faults(None)  # what the old rules armed goes with them
+    ex.install_faults(schedule)
+    return 0, len(schedule), b""
+
+
+def _list_faults(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
+    _fault_ops(ex)
+    listing = ex.faults.listing() if ex.faults is not None else {"seed": 0, "rules": []}
+    body = msgpack.packb(listing)
+    if ex.event_capacity is not None and len(body) > ex.event_capacity // 2:
+        raise OpError(OpStatus.Capacity, f"the listing takes {len(body)} bytes, more than half an event slot")
+    return 0, len(ex.faults or ()), body
+
+
+def _clear_faults(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
+    _fault_ops(ex)
+    return 0, ex.install_faults(None), b""
+
+
 def _cache_clear(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     freed = 0
     for e in ex.cache.lru(resident=False):  # the host tier: nothing of the pool
@@ -232,4 +264,7 @@ _OPS = {
     OpKind.IMPORT_STATE: seed_ops.import_state,
     OpKind.LIST_LANES: lane_ops.list_lanes,
     OpKind.RETIRE_LANES: lane_ops.retire_lanes,
+    OpKind.INSTALL_FAULTS: _install_faults,
+    OpKind.LIST_FAULTS: _list_faults,
+    OpKind.CLEAR_FAULTS: _clear_faults,
 }

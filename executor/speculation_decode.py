@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from superfluid.abi import Finish, Sampling
-from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
+from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure, row_finite
 from superfluid.executor.decode import lane_fault
 from superfluid.executor.tick_state import TickState
 
@@ -98,7 +98,9 @@ class SpecPhase(TickState):
         """This round's drafts by lane (drafting lanes with a proposal only)."""
         ex = self.ex
         over = self.spec_over
-        todo = [tag for tag, _ in round_ if tag in over]
+        faults = ex.faults if ex.faults is not None and ex.faults.tokens else None
+        # A lane a token rule watches decodes plainly: its rule fires at one token, not within a draft.
+        todo = [tag for tag, _ in round_ if tag in over and (faults is None or not faults.watches(tag))]
         if not todo:
             return {}
         max_len, page = ex.desc.max_seq_len, ex.page
@@ -186,6 +188,9 @@ class SpecPhase(TickState):
                 over[tag] -= 1
             else:
                 break
+            if not row_finite(rows[i]):
+                self.numeric_fault(lane, remaining)
+                return None
             token = self._verify_pick(lane, rows[i])
             lane.committed.append(token)
             lane.rng_counter += 1

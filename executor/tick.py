@@ -17,11 +17,14 @@ import numpy as np
 
 from superfluid.abi import PlanFlag, ShedKind, ShedReason
 from superfluid.abi.records import LaneFault as LaneFaultRecord, ShedEntry, TickPlan
+from superfluid.engine.fault_runtime import InjectedCapacity
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure
 from superfluid.executor.admit import AdmitPhase
 from superfluid.executor.cache import CacheEntry
 from superfluid.executor.check import Verdict
 from superfluid.executor.decode import DecodePhase, lane_fault_code
+from superfluid.executor.fault_phase import FaultPhase
+from superfluid.executor.faults import INJECTED
 from superfluid.executor.lanes import Lane
 from superfluid.executor.replay import ReplayPhase
 from superfluid.executor.speculation_decode import SpecPhase
@@ -171,7 +174,7 @@ class RetirePhase(TickState):
                 self.free(lane.seq, "a retire")
 
 
-class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, RetirePhase):
+class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, FaultPhase, RetirePhase):
     """One applied plan's working state."""
 
     def __init__(self, ex: Executor, v: Verdict) -> None:
@@ -237,8 +240,9 @@ class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, RetirePhase):
         code = lane_fault_code(e)
         if code is None:
             raise self.ex.fatal(during, e) from e
+        detail = INJECTED if isinstance(e, InjectedCapacity) else 0
         for tag in tags:
-            self.fault(tag, code)
+            self.fault(tag, code, detail)
             if remaining is not None:
                 remaining.pop(tag, None)
 

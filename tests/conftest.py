@@ -11,6 +11,9 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
+# The fixture harness authors use (faulty_daemon_factory), as they would load it.
+pytest_plugins = ["superfluid.testing.harness"]
+
 # "ci" (the default): the same examples every run, so a red CI is the change's
 # doing, not the draw's. "explore" (HYPOTHESIS_PROFILE=explore make test): fresh
 # random examples each run, to look for what the fixed ones miss.

@@ -24,9 +24,11 @@ const (
 	SF_CONNECT_SIZE                    = 0x4
 	SF_ECHO_BYTES                      = 0x40
 	SF_EWOULDBLOCK                     = 0xb
+	SF_FAULT_DETAIL_INJECTED           = 0x8000000000000000
 	SF_FAULT_GRAMMAR_OVERFLOW          = 0x3
 	SF_FAULT_INJECTED                  = 0x5
 	SF_FAULT_INTERNAL                  = 0x2
+	SF_FAULT_NUMERIC                   = 0x6
 	SF_FAULT_OOM_TENTATIVE             = 0x1
 	SF_FAULT_REF_SPAN_OOB              = 0x4
 	SF_FINISH_EOS                      = 0x1
@@ -54,12 +56,15 @@ const (
 	SF_OPST_UnknownOp                  = 0x2
 	SF_OPST_Unsupported                = 0x5
 	SF_OP_CACHE_CLEAR                  = 0xc
+	SF_OP_CLEAR_FAULTS                 = 0x11
 	SF_OP_DESCRIBE                     = 0x1
 	SF_OP_EXPORT_ENTRY                 = 0x9
 	SF_OP_IMPORT_STATE                 = 0xa
 	SF_OP_INJECT_FAULT                 = 0xb
+	SF_OP_INSTALL_FAULTS               = 0xf
 	SF_OP_INSTALL_STRATEGY             = 0x8
 	SF_OP_LEASE_SEED                   = 0x2
+	SF_OP_LIST_FAULTS                  = 0x10
 	SF_OP_LIST_LANES                   = 0xd
 	SF_OP_REGISTER_GRAMMAR             = 0x4
 	SF_OP_REGISTER_LOGIT_BIAS          = 0x6

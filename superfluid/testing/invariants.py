@@ -24,12 +24,17 @@ def _lane_state(lane) -> tuple:
             lane.finished, lane.logprobs_top, lane.granted_class, lane.bias is None)
 
 
+def inner_runtime(ex: Executor) -> Any:
+    """The executor's runtime, under the fault-injection wrapper where it has one."""
+    return ex.fault_rt.inner if ex.fault_rt is not None else ex.runtime
+
+
 def snapshot(ex: Executor) -> dict[str, Any]:
     """Everything a tick may change, copied: executor fields, lanes, cache
     entries, the runtime's sequences (their tokens, on the fake), its
     counters and call statistics, and the heads of the rings the executor
     writes. A rejected plan must leave every part equal."""
-    rt = ex.runtime
+    rt = inner_runtime(ex)
     snap: dict[str, Any] = dict(
         digest=ex.state_digest(),
         last_plan_seq=ex.counters.last_plan_seq, tick_count=ex.counters.tick_count, nonce=ex.counters.nonce,
@@ -71,7 +76,7 @@ def assert_reject(ex: Executor, plan, status: Status, field: str) -> TickResult:
 
 def check_invariants(ex: Executor) -> None:
     """What must hold between any two ticks, whatever ran."""
-    rt = ex.runtime
+    rt = inner_runtime(ex)
     mem = rt.mem_counters()
     # Cell conservation: every runtime sequence is a live lane's or a cache entry's.
     assert mem.seqs == len(ex.lanes) + len(ex.cache), (mem, len(ex.lanes), len(ex.cache))

@@ -222,6 +222,20 @@ def test_a_state_pool_larger_than_the_machine_is_refused(tmp_path, seg_name):
     assert "--tp 2" in line and "Mamba2" in line, line
 
 
+def test_a_fault_schedule_is_checked_up_front(tmp_path, seg_name):
+    f = tmp_path / "faults.json"
+    f.write_text('{"rules": [{"when": {"tick": 1}, "what": {"stall_ms": 5}}]}')
+    line = serve_refused(seg_name, "--fake", "--fault-schedule", str(f))
+    assert "--fault-schedule" in line and "--fault-injection" in line, line
+    line = serve_refused(seg_name, "--fake", "--fault-injection", "--fault-schedule", str(f))
+    assert str(f) in line and "rules[0].what.during" in line, line
+    f.write_text("{not json")
+    line = serve_refused(seg_name, "--fake", "--fault-injection", "--fault-schedule", str(f))
+    assert str(f) in line, line
+    line = serve_refused(seg_name, "--fake", "--fault-injection", "--fault-schedule", str(tmp_path / "none"))
+    assert "none" in line, line
+
+
 def test_a_metrics_port_that_cannot_be_had_is_refused(seg_name):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
