@@ -21,8 +21,11 @@ from typing import Any
 import numpy as np
 
 from superfluid.abi import OpStatus, ShedKind, ShedReason, Status
-from superfluid.executor import SPEC_MAX_BUCKET as _SPEC_MAX_BUCKET, SPEC_SLOTS as _SPEC_SLOTS
-from superfluid.executor.faults import KINDS as _FAULT_KINDS
+from superfluid.executor import (
+    FAULT_KINDS as _FAULT_KINDS,
+    SPEC_MAX_BUCKET as _SPEC_MAX_BUCKET,
+    SPEC_SLOTS as _SPEC_SLOTS,
+)
 
 PREFIX = "superfluid_worker_"
 DAEMON_LABEL = "daemon"  # the daemon's --name

@@ -25,7 +25,7 @@ from superfluid.daemon.metrics import (
     TICK_BUCKETS_S,
     WorkerMetrics,
 )
-from superfluid.executor.faults import KINDS as _FAULT_KINDS
+from superfluid.executor import FAULT_KINDS as _FAULT_KINDS
 
 
 def exit_reason(status: int) -> str:

@@ -306,8 +306,7 @@ def read_fault_schedule(path: str):  # type: ignore[no-untyped-def]
     """--fault-schedule FILE's schedule; ValueError naming the file and the field."""
     import json
 
-    from superfluid.executor.faults import parse_schedule
-    from superfluid.executor.op_fields import OpError
+    from superfluid.executor import OpError, parse_schedule
 
     try:
         with open(path, encoding="utf-8") as f:
