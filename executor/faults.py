@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from superfluid.abi import Fault, OpKind, OpStatus, lib
@@ -74,13 +75,19 @@ class Rule:
         return self.times is None or self.fired < self.times
 
 
-def _when(rule: Rule, when: object, where: str) -> None:
-    if not isinstance(when, dict):
-        raise _bad(where, f"expected a map, got {type(when).__name__}")
-    keys = [k for k in _WHEN if k in when]
+def _one_of(m: object, names: Sequence[str], where: str) -> tuple[dict[str, object], str]:
+    """The map and the one key of `names` it holds."""
+    if not isinstance(m, dict):
+        raise _bad(where, f"expected a map, got {type(m).__name__}")
+    keys = [k for k in names if k in m]
     if len(keys) != 1:
-        raise _bad(where, f"name exactly one of {', '.join(_WHEN)}")
-    rule.trigger = t = keys[0]
+        raise _bad(where, f"name exactly one of {', '.join(names)}")
+    return m, keys[0]
+
+
+def _when(rule: Rule, when: object, where: str) -> None:
+    when, t = _one_of(when, _WHEN, where)
+    rule.trigger = t
     v = when[t]
     if t in ("tick", "token"):
         rule.n = _int(v, f"{where}.{t}", 1)
@@ -114,12 +121,7 @@ def _phase(rule: Rule, v: object, where: str) -> str:
 
 
 def _what(rule: Rule, what: object, where: str) -> None:
-    if not isinstance(what, dict):
-        raise _bad(where, f"expected a map, got {type(what).__name__}")
-    keys = [k for k in _WHAT if k in what]
-    if len(keys) != 1:
-        raise _bad(where, f"name exactly one of {', '.join(_WHAT)}")
-    key = keys[0]
+    what, key = _one_of(what, tuple(_WHAT), where)
     rule.kind, v = _WHAT[key], what[key]
     here = f"{where}.{key}"
     if rule.trigger == "op" and rule.kind not in ("fatal", "stall"):

@@ -146,6 +146,23 @@ def refused(rt: Runtime, seqs: Sequence[int], call: Callable[[], object],
     return e.value
 
 
+def play(rt: Runtime, script: Sequence[Sequence[tuple[int, Sequence[int]]]]) -> list[bytes]:
+    """Run a script of steps (each: (name, tokens) feeds; a name's first feed
+    makes its sequence) and free the sequences: every row, as bytes."""
+    seqs: dict[int, int] = {}
+    out = []
+    for step in script:
+        feeds = []
+        for name, tokens in step:
+            if name not in seqs:
+                seqs[name] = rt.seq_create()
+            feeds.append(Feed(seqs[name], list(tokens), True))
+        out += [r.tobytes() for r in rt.step(feeds)]
+    for s in seqs.values():
+        rt.seq_free(s)
+    return out
+
+
 def has_step_rows(rt: Runtime) -> bool:
     return rt.step_rows([]) is not None
 

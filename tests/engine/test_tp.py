@@ -17,6 +17,7 @@ from superfluid.engine.config import load_config
 from superfluid.engine.parallel.sharding import Shard, TpError, reduction_parts, vocab_ranges
 from superfluid.engine.tiny import write_tiny
 from superfluid.kernels import cpu
+from superfluid.testing.runtime_harness import play
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="tensor parallelism runs on the CPU kernels")
 
@@ -38,22 +39,6 @@ def runtimes(tiny):
         rt.close()
 
 
-def _play(rt, script):
-    """Run a script of steps on rt; every row it returns, as bytes."""
-    seqs: dict[int, int] = {}
-    out = []
-    for step in script:
-        feeds = []
-        for name, tokens in step:
-            if name not in seqs:
-                seqs[name] = rt.seq_create()
-            feeds.append(Feed(seqs[name], tokens, True))
-        out += [r.tobytes() for r in rt.step(feeds)]
-    for s in seqs.values():
-        rt.seq_free(s)
-    return out
-
-
 steps = st.lists(st.lists(st.integers(0, 319), min_size=1, max_size=12), min_size=1, max_size=4)
 
 
@@ -66,9 +51,9 @@ def test_rows_are_the_same_at_every_degree(runtimes, prompts, decode, alone):
     script += [[(i, [t]) for i in range(len(prompts))] for t in decode]
     if alone:
         script = [[f] for step in script for f in step]
-    base = _play(runtimes[1], script)
+    base = play(runtimes[1], script)
     for n in (2, 4):
-        assert _play(runtimes[n], script) == base, f"TP={n}"
+        assert play(runtimes[n], script) == base, f"TP={n}"
 
 
 def test_a_plain_all_reduce_changes_bits(tiny, runtimes):
@@ -77,10 +62,10 @@ def test_a_plain_all_reduce_changes_bits(tiny, runtimes):
     script = [[(0, list(range(5, 45))), (1, [9, 8, 7])], [(0, [3]), (1, [4])]]
     rt = load(tiny, tp=2, kv_cells=KV_CELLS, tp_options=dict(transport="gloo", plain_reduce=True))
     try:
-        plain = _play(rt, script)
+        plain = play(rt, script)
     finally:
         rt.close()
-    assert plain != _play(runtimes[1], script)
+    assert plain != play(runtimes[1], script)
 
 
 def test_small_shared_memory_slots(tiny, runtimes):
@@ -89,11 +74,11 @@ def test_small_shared_memory_slots(tiny, runtimes):
     script = [[(0, list(range(5, 85))), (1, list(range(100, 140)))], [(0, [3]), (1, [4])]]
     rt = load(tiny, tp=2, kv_cells=KV_CELLS, tp_options=dict(slot_bytes=4096))
     try:
-        small = _play(rt, script)
+        small = play(rt, script)
     finally:
         rt.close()
     rt.close()  # again: nothing to stop
-    assert small == _play(runtimes[1], script)
+    assert small == play(runtimes[1], script)
     assert all(p.returncode == 0 for p in rt.followers)  # told to stop, they exited cleanly
 
 
@@ -132,7 +117,7 @@ def test_architectures_and_bf16(tmp_path, arch, dtype):
     one = load(path, kv_cells=256, dtype=dtype)
     two = load(path, tp=2, kv_cells=256, dtype=dtype, tp_options=dict(threads=2))
     try:
-        assert _play(two, script) == _play(one, script)
+        assert play(two, script) == play(one, script)
     finally:
         one.close()
         two.close()
@@ -259,7 +244,7 @@ def test_real_width_invariance(tmp_path):
     one = load(path, kv_cells=512)
     two = load(path, tp=2, kv_cells=512)
     try:
-        assert _play(two, script) == _play(one, script)
+        assert play(two, script) == play(one, script)
     finally:
         one.close()
         two.close()

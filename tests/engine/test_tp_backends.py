@@ -24,6 +24,7 @@ from superfluid.engine.config import load_config
 from superfluid.engine.parallel.sharding import Shard, TpError, kv_block_heads, vocab_blocks, vocab_ranges
 from superfluid.engine.tiny import write_tiny
 from superfluid.kernels import cpu
+from superfluid.testing.runtime_harness import play
 
 BACKEND = os.environ.get("SUPERFLUID_TEST_BACKEND", "torch")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,21 +56,6 @@ def runtimes(tiny, reference_ops):
         rt.close()
 
 
-def _play(rt, script):
-    seqs: dict[int, int] = {}
-    out = []
-    for step in script:
-        feeds = []
-        for name, tokens in step:
-            if name not in seqs:
-                seqs[name] = rt.seq_create()
-            feeds.append(Feed(seqs[name], tokens, True))
-        out += [r.tobytes() for r in rt.step(feeds)]
-    for s in seqs.values():
-        rt.seq_free(s)
-    return out
-
-
 steps = st.lists(st.lists(st.integers(0, 319), min_size=1, max_size=10), min_size=1, max_size=3)
 
 
@@ -80,9 +66,9 @@ def test_rows_are_the_same_at_every_degree(runtimes, prompts, decode, alone):
     script += [[(i, [t]) for i in range(len(prompts))] for t in decode]
     if alone:
         script = [[f] for step in script for f in step]
-    base = _play(runtimes[1], script)
+    base = play(runtimes[1], script)
     for n in (2, 4):
-        assert _play(runtimes[n], script) == base, f"TP={n}"
+        assert play(runtimes[n], script) == base, f"TP={n}"
 
 
 def test_sampling_and_exports_across_degrees(runtimes):
@@ -108,10 +94,10 @@ def test_a_plain_all_reduce_changes_bits(tiny, runtimes):
     script = [[(0, list(range(5, 45))), (1, [9, 8, 7])], [(0, [3]), (1, [4])]]
     rt = load(tiny, BACKEND, device=DEVICE, tp=2, kv_cells=KV_CELLS, tp_options=dict(plain_reduce=True))
     try:
-        plain = _play(rt, script)
+        plain = play(rt, script)
     finally:
         rt.close()
-    assert plain != _play(runtimes[1], script)
+    assert plain != play(runtimes[1], script)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="the C kernels are the other side of this comparison")
@@ -123,10 +109,10 @@ def test_the_blocks_compute_the_model(tiny, runtimes, monkeypatch):
     monkeypatch.delenv("SUPERFLUID_CPU_KERNELS")
     c = load(tiny, kv_cells=KV_CELLS)
     try:
-        want = [np.frombuffer(r, dtype=np.float32) for r in _play(c, script)]
+        want = [np.frombuffer(r, dtype=np.float32) for r in play(c, script)]
     finally:
         c.close()
-    got = [np.frombuffer(r, dtype=np.float32) for r in _play(runtimes[2], script)]
+    got = [np.frombuffer(r, dtype=np.float32) for r in play(runtimes[2], script)]
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
@@ -140,7 +126,7 @@ def test_architectures_and_bf16(tmp_path, arch, dtype, kv):
     one = load(path, BACKEND, device=DEVICE, kv_cells=256, dtype=dtype)
     two = load(path, BACKEND, device=DEVICE, tp=2, kv_cells=256, dtype=dtype)
     try:
-        assert _play(two, script) == _play(one, script)
+        assert play(two, script) == play(one, script)
     finally:
         one.close()
         two.close()
@@ -155,9 +141,9 @@ def test_real_widths(tmp_path):
     rts = [load(path, BACKEND, device=DEVICE, kv_cells=512)]
     try:
         rts += [load(path, BACKEND, device=DEVICE, tp=n, kv_cells=512) for n in (2, 4)]
-        base = _play(rts[0], script)
-        assert _play(rts[1], script) == base
-        assert _play(rts[2], script) == base
+        base = play(rts[0], script)
+        assert play(rts[1], script) == base
+        assert play(rts[2], script) == base
     finally:
         for rt in rts:
             rt.close()
