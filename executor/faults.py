@@ -75,6 +75,18 @@ class Rule:
         return self.times is None or self.fired < self.times
 
 
+def _member(enum: type[OpKind] | type[Fault], v: object, where: str, what: str) -> int:
+    """An enum member given by name (any case) or value."""
+    try:
+        if isinstance(v, str):
+            return int(enum[v.upper()])
+        if isinstance(v, int) and not isinstance(v, bool):
+            return int(enum(v))
+    except (KeyError, ValueError):
+        pass
+    raise _bad(where, f"{echo(v)} is not {what}")
+
+
 def _one_of(m: object, names: Sequence[str], where: str) -> tuple[dict[str, object], str]:
     """The map and the one key of `names` it holds."""
     if not isinstance(m, dict):
@@ -92,10 +104,7 @@ def _when(rule: Rule, when: object, where: str) -> None:
     if t in ("tick", "token"):
         rule.n = _int(v, f"{where}.{t}", 1)
     elif t == "op":
-        try:
-            rule.op = int(OpKind[v.upper()] if isinstance(v, str) else OpKind(v))
-        except (KeyError, ValueError):
-            raise _bad(f"{where}.op", f"{echo(v)} is not an op") from None
+        rule.op = _member(OpKind, v, f"{where}.op", "an op")
         rule.n = _int(when.get("nth", 1), f"{where}.nth", 1)
     else:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
@@ -127,10 +136,7 @@ def _what(rule: Rule, what: object, where: str) -> None:
     if rule.trigger == "op" and rule.kind not in ("fatal", "stall"):
         raise _bad(here, "an op rule takes fatal or stall_ms")
     if rule.kind == "lane_fault":
-        try:
-            rule.code = int(Fault[v.upper()] if isinstance(v, str) else Fault(v))
-        except (KeyError, ValueError):
-            raise _bad(here, f"{echo(v)} is not a fault code") from None
+        rule.code = _member(Fault, v, here, "a fault code")
     elif rule.kind in ("fatal", "capacity"):
         rule.phase = _phase(rule, v, here)
     elif rule.kind == "stall":
