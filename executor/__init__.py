@@ -9,10 +9,11 @@ if __name__ != "superfluid.executor":  # imported by its bare name from a checko
     not_ours(__name__, __file__)
 
 from superfluid.executor.executor import Executor, ExecutorFatal, TickResult
+from superfluid.executor.op_fields import OpError  # what StateDir raises
 from superfluid.executor.speculation import MAX_SLOTS as SPEC_SLOTS
 from superfluid.executor.speculation_gate import MAX_BUCKET as SPEC_MAX_BUCKET
 from superfluid.executor.state_dir import StateDir
 from superfluid.executor.tick_rings import LocalRings, TickRings
 
-__all__ = ["SPEC_MAX_BUCKET", "SPEC_SLOTS", "Executor", "ExecutorFatal", "LocalRings", "StateDir", "TickResult",
-           "TickRings"]
+__all__ = ["SPEC_MAX_BUCKET", "SPEC_SLOTS", "Executor", "ExecutorFatal", "LocalRings", "OpError", "StateDir",
+           "TickResult", "TickRings"]

@@ -70,6 +70,21 @@ class DataRing:
         self._live()
         return int(lib.sf_load_acquire_u64(ffi.addressof(self._view.r, "head")))
 
+    def next_start(self) -> int:
+        """Where the next write begins, in elements: the reservation when a
+        writer died mid-write (sf_ring_begin goes on from there), else the head."""
+        self._live()
+        r = self._view.r
+        return int(max(lib.sf_load_acquire_u64(ffi.addressof(r, "head")),
+                       lib.sf_load_acquire_u64(ffi.addressof(r, "reserve"))))
+
+    def start_at(self, position: int) -> None:
+        """Go on as a ring that stood at `position` (next_start): for a ring
+        no one else uses yet (a replay's, continuing a worker's)."""
+        self._live()
+        self._view.r.reserve = position
+        lib.sf_store_release_u64(ffi.addressof(self._view.r, "head"), position)
+
     def write(self, values: npt.ArrayLike) -> RingRef:
         """Append `values` (one contiguous run) and return its reference."""
         self._live()
