@@ -5,7 +5,8 @@ consumes, in order, in bounded files that `superfluid replay` re-runs
 The worker loop (worker_loop.py) tells the recorder each thing it hands the
 executor — a session begun, an op, a plan (with the prompt-ring elements
 its admits name, read here before the tick runs), op completions taken out
-without a tick — and the outcome after. What a call reads besides (the
+without a tick — and the outcome after (a tick's once its events are out:
+packing it is no part of the planner's wait). What a call reads besides (the
 executor's clock, the planner's yield and latency flags, state-directory
 files) goes through wrappers installed here and rides in the outcome's
 record. The executor knows nothing of files: it sees a TickRings, a clock
@@ -47,15 +48,15 @@ _FRAME = rf.FRAME
 class Capture:
     """What one executor call read besides its input, and wrote to the rings."""
 
-    __slots__ = ("clock", "late", "latency", "logits", "state_dir", "tokens", "yields")
+    __slots__ = ("clock", "late", "latency", "logits", "state_dir", "tokens_at", "yields")
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_at: int = 0) -> None:
         self.clock: list[int] = []
         self.yields: list[bool] = []
         self.latency: list[bool] = []
         self.late: list[list[Any]] = []  # prompt reads no pre-read served
         self.state_dir: list[list[Any]] = []  # [call, ok, result or (status, message)]
-        self.tokens: list[list[Any]] = []  # [ref, token bytes] per write
+        self.tokens_at = tokens_at  # where the token ring's next write started (DataRing.next_start)
         self.logits: list[list[Any]] = []  # [ref, blake2b-128 of the row's bytes] per write
 
     def reads(self) -> list[Any]:
@@ -72,8 +73,9 @@ def prompt_entry(ref, got: np.ndarray | RefError) -> list[Any]:
 
 class RecordingRings(TickRings):
     """The worker's rings, as the executor sees them while recorded: prompt
-    reads served from what the recorder read before the tick; flags, and
-    what is written, noted in the capture."""
+    reads served from what the recorder read before the tick; flags and
+    logits rows noted in the capture. (Token writes go straight to the
+    ring: the recorder copies what the call wrote there in one piece.)"""
 
     def __init__(self, inner: TickRings, rec: Recorder):
         self.inner, self.rec = inner, rec
@@ -91,11 +93,6 @@ class RecordingRings(TickRings):
         if isinstance(got, RefError):
             raise got
         return got
-
-    def write_tokens(self, tokens):  # type: ignore[no-untyped-def]
-        ref = self.inner.write_tokens(tokens)
-        self.rec.cap.tokens.append([list(ref), np.ascontiguousarray(tokens, dtype="<u4").tobytes()])
-        return ref
 
     def write_logits(self, row):  # type: ignore[no-untyped-def]
         ref = self.inner.write_logits(row)
@@ -170,6 +167,7 @@ class Recorder:
         self.part = 0  # the open file's place in this epoch
         self.ticks = 0  # plans recorded in this epoch
         self.broken: str | None = None
+        self._done: list[Any] | None = None  # the last tick's outcome, until flush_done writes it
 
     # ------------------------------------------------------------- files
 
@@ -254,6 +252,7 @@ class Recorder:
                 self._stop(f"the next file could not be made ({e})")
 
     def close(self) -> None:
+        self.flush_done()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -261,15 +260,22 @@ class Recorder:
     # ----------------------------------------------------------- records
 
     def session(self, session: int) -> None:
+        self.flush_done()
         self._put(rf.SESSION, [session])
         self._between()
 
     def flush(self) -> None:
+        self.flush_done()
         self._put(rf.FLUSH, [])
         self._between()
 
+    def _capture(self) -> None:
+        assert self.rings is not None
+        self.cap = Capture(self.rings.tokens.next_start())
+
     def op(self, payload: bytes) -> None:
-        self.cap = Capture()
+        self.flush_done()
+        self._capture()
         self._put(rf.OP, [payload])
 
     def op_done(self, done: OpCompletion) -> None:
@@ -278,7 +284,8 @@ class Recorder:
 
     def plan(self, message: bytes, try_empty: bool, prompts: list[list[Any]]) -> None:
         """A plan's message and the prompt reads its admits need, before its tick."""
-        self.cap = Capture()
+        self.flush_done()
+        self._capture()
         self.ticks += 1
         self._put(rf.PLAN, [message, try_empty, prompts])
 
@@ -305,10 +312,23 @@ class Recorder:
         self.plan(message, False, prompts)
 
     def done(self, path: int, outcome: TickEvents | TickMemCounters) -> None:
-        """The tick's outcome: its events (or, answered by tick_empty, its memory record)."""
+        """The tick's outcome: its events (or, answered by tick_empty, its
+        memory record). Written by flush_done, which the worker calls once
+        the events are out (packing them is then no part of the planner's
+        wait), and every other record first."""
+        assert self.rings is not None
+        self.rings.served = {}
         cap = self.cap
-        if self.rings is not None:
-            self.rings.served = {}
-        self._put(rf.DONE, [path, outcome, cap.reads(), cap.tokens, cap.logits])
+        self._done = [path, outcome, cap.reads(), [cap.tokens_at, self.rings.tokens.next_start()], cap.logits]
+
+    def flush_done(self) -> None:
+        d = self._done
+        if d is None:
+            return
+        self._done = None
+        assert self.rings is not None
+        start, end = d[3]
+        d[3] = [start, self.rings.tokens.span_bytes(start, end)]  # (only this worker writes there)
+        self._put(rf.DONE, d)
         self._between()
 

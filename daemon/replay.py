@@ -206,7 +206,7 @@ class _Epoch:
         self._feed([], reads)
         got = self.s.ex.op(fr[1].body[0], queue=True)
         self.ep.ops += 1
-        found = first_difference(completion, got, Writes(), self.s.rings.writes)
+        found = first_difference(completion, got, Writes(), Writes())
         if found:
             return self.differs(fr, "OpCompletion", found, None, 0)
         found = self._read_back(reads)
@@ -222,7 +222,8 @@ class _Epoch:
         if path != rpath:
             return self.differs(fr, "the plan's path", ("path", _PATHS[rpath], _PATHS[path]), seq, tick)
         kind = "TickMemCounters" if path == rf.PATH_EMPTY else "TickEvents"
-        found = first_difference(outcome, got, Writes.recorded(tokens, logits), self.s.rings.writes)
+        recorded = Writes.recorded(self.ep.header["rings"]["tokens"][0], tokens, logits)
+        found = first_difference(outcome, got, recorded, self.s.rings.written())
         if found:
             return self.differs(fr, kind, found, seq, tick)
         found = self._read_back(reads)
@@ -307,8 +308,10 @@ def _print(results: list[WorkerResult]) -> None:
     out = sys.stdout
     for r in results:
         ran = [ep for ep in r.epochs if ep.skipped is None and (ep.ticks or ep.ops)]
-        print(f"worker {r.worker}: {r.ticks} ticks and {r.ops} ops replayed (epochs "
-              f"{', '.join(str(ep.epoch) for ep in ran) or 'none'})", file=out)
+        again = len({ep.epoch for ep in ran}) < len(ran)  # daemons one after another on one DIR
+        names = [f"{ep.epoch} (pid {ep.header.get('pid')})" if again else str(ep.epoch) for ep in ran]
+        print(f"worker {r.worker}: {r.ticks} ticks and {r.ops} ops replayed (epochs {', '.join(names) or 'none'})",
+              file=out)
         for ep in r.epochs:
             if ep.skipped is not None:
                 print(f"  epoch {ep.epoch} skipped: {ep.skipped}", file=out)

@@ -26,14 +26,27 @@ _SHOW = 160  # characters of a value a report quotes
 
 @dataclass
 class Writes:
-    """What a call wrote to the token and logits rings: {ref: bytes or digest}, in order."""
+    """What a call wrote to the rings: the token ring's elements from
+    position `start` on (None: more than the ring holds), and a digest of
+    each logits row by its reference."""
 
-    tokens: list[tuple[tuple[int, ...], bytes]] = field(default_factory=list)
-    logits: list[tuple[tuple[int, ...], bytes]] = field(default_factory=list)
+    capacity: int = 1
+    start: int = 0
+    tokens: bytes | None = b""
+    logits: dict[tuple[int, ...], bytes] = field(default_factory=dict)
 
     @classmethod
-    def recorded(cls, tokens: list, logits: list) -> Writes:
-        return cls([(tuple(r), b) for r, b in tokens], [(tuple(r), b) for r, b in logits])
+    def recorded(cls, capacity: int, tokens: list, logits: list) -> Writes:
+        return cls(capacity, tokens[0], tokens[1], {tuple(r): b for r, b in logits})
+
+    def tokens_at(self, ref: tuple[int, ...]) -> bytes | None:
+        """The elements a token-ring reference (ring, generation, offset, len) names."""
+        if self.tokens is None:
+            return None
+        i = ref[1] * self.capacity + ref[2] - self.start
+        if i < 0 or (i + ref[3]) * 4 > len(self.tokens):
+            return None
+        return self.tokens[i * 4:(i + ref[3]) * 4]
 
 
 def _plain(v: Any) -> Any:
@@ -78,10 +91,7 @@ def _payload(rec: Any, obj: bytes, path: str) -> Found | None:
 
 class Walk:
     def __init__(self, rec_writes: Writes, rep_writes: Writes):
-        self.rec_tokens = dict(rec_writes.tokens)
-        self.rep_tokens = dict(rep_writes.tokens)
-        self.rec_logits = dict(rec_writes.logits)
-        self.rep_logits = dict(rep_writes.logits)
+        self.rec, self.rep = rec_writes, rep_writes
 
     def walk(self, rec: Any, obj: Any, path: str) -> Found | None:
         names = getattr(type(obj), "_fields", None)
@@ -114,7 +124,7 @@ class Walk:
         """The tokens an emit names, and its logits row (as a digest)."""
         if e.n_tokens:
             ref = tuple(e.token_ref)
-            a, b = self.rec_tokens.get(ref), self.rep_tokens.get(ref)
+            a, b = self.rec.tokens_at(ref), self.rep.tokens_at(ref)
             if a != b:
                 if a is None or b is None:
                     return (f"{path}.tokens", a, b)
@@ -123,7 +133,7 @@ class Walk:
                 return (f"{path}.tokens[{j}]", ta[j] if j < len(ta) else None, tb[j] if j < len(tb) else None)
         if e.logits_row.len:
             ref = tuple(e.logits_row)
-            a, b = self.rec_logits.get(ref), self.rep_logits.get(ref)
+            a, b = self.rec.logits.get(ref), self.rep.logits.get(ref)
             if a != b:
                 return (f"{path}.logits_row (blake2b of the row's bytes)", a, b)
         return None
@@ -135,13 +145,16 @@ def _u32(b: bytes) -> list[int]:
 
 def first_difference(recorded: Any, replayed: Any, rec_writes: Writes, rep_writes: Writes) -> Found | None:
     """The first field of the replayed outcome (a record) that differs from
-    the recorded one, then the ring writes none of its fields named."""
+    the recorded one (each emit with the tokens it names), then how much
+    was written to the rings."""
     w = Walk(rec_writes, rep_writes)
     found = w.walk(recorded, replayed, "")
     if found:
         return found
-    for what, a, b in (("tokens", rec_writes.tokens, rep_writes.tokens),
-                       ("logits", rec_writes.logits, rep_writes.logits)):
-        if a != b:
-            return (f"writes to the {what} ring", [r for r, _ in a], [r for r, _ in b])
+    a, b = rec_writes.tokens, rep_writes.tokens
+    if (a is None) != (b is None) or (a is not None and b is not None and len(a) != len(b)):
+        return ("elements written to the token ring", None if a is None else len(a) // 4,
+                None if b is None else len(b) // 4)
+    if rec_writes.logits != rep_writes.logits:
+        return ("rows written to the logits ring", sorted(rec_writes.logits), sorted(rep_writes.logits))
     return None

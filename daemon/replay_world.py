@@ -36,12 +36,15 @@ class Refused(Exception):
 
 
 class ReplayRings(TickRings):
+    """The rings and flags as the recorded calls found them; feed() before each call."""
+
     def __init__(self, rings: dict[str, list[int]]):
         (tok_cap, tok_at), (log_cap, log_at) = rings["tokens"], rings["logits"]
         local = LocalRings(prompt_tokens=1, emit_tokens=tok_cap, logits_floats=log_cap)
         self.prompt, self.tokens, self.logits = local.prompt, local.tokens, local.logits
         self.tokens.start_at(tok_at)
         self.logits.start_at(log_at)
+        self.capacity = tok_cap
         self.served: dict[RingRef, list[Any]] = {}
         self.yields: list[bool] = []
         self.latency: list[bool] = []
@@ -51,8 +54,14 @@ class ReplayRings(TickRings):
     def feed(self, prompts: list[list[Any]], reads: list[Any]) -> None:
         self.served = {RingRef(*e[0]): e for e in (*prompts, *reads[3])}
         self.yields, self.latency = list(reads[1]), list(reads[2])
-        self.writes = Writes()
+        self.writes = Writes(self.capacity, self.tokens.next_start())
         self.overrun = []
+
+    def written(self) -> Writes:
+        """What the call wrote, since feed()."""
+        w = self.writes
+        w.tokens = self.tokens.span_bytes(w.start, self.tokens.next_start())
+        return w
 
     def read_prompt(self, ref: RingRef) -> np.ndarray:
         e = self.served.get(RingRef(*ref))
@@ -65,15 +74,10 @@ class ReplayRings(TickRings):
             raise err
         return np.frombuffer(e[3], dtype="<u4").copy()
 
-    def write_tokens(self, tokens: np.ndarray) -> RingRef:
-        ref = self.tokens.write(tokens)
-        self.writes.tokens.append((tuple(ref), np.ascontiguousarray(tokens, dtype="<u4").tobytes()))
-        return ref
-
     def write_logits(self, row: np.ndarray) -> RingRef:
         ref = self.logits.write(row)
         data = np.ascontiguousarray(row, dtype="<f4").tobytes()
-        self.writes.logits.append((tuple(ref), hashlib.blake2b(data, digest_size=16).digest()))
+        self.writes.logits[tuple(ref)] = hashlib.blake2b(data, digest_size=16).digest()
         return ref
 
     def _flag(self, vals: list[bool], name: str) -> bool:
@@ -90,6 +94,8 @@ class ReplayRings(TickRings):
 
 
 class ReplayClock:
+    """The executor's clock: the recorded readings of the call, in order."""
+
     def __init__(self) -> None:
         self.values: list[int] = []
         self.at = 0

@@ -379,6 +379,8 @@ class Worker:
             # against it for a core (on 2 cores its turnaround took ~15% longer).
             # (Again after steps_done: building the events may have run them.)
             self.ex.runtime.idle()
+        if self.rec is not None:
+            self.rec.flush_done()  # the tick's outcome, while the planner reads its events
         if self.metrics is not None:
             # After the events, while the planner reads them: a scrape sees the tick ~50 us later.
             self.metrics.tick(plan, ev)
@@ -400,6 +402,8 @@ class Worker:
             self.rec.done(PATH_EMPTY, mem)
         self._tick_counters()
         self.out.bare_events(head[0], wall, mem, ex.epoch, session)
+        if self.rec is not None:
+            self.rec.flush_done()
         if self.metrics is not None:
             self.metrics.tick_empty(wall, mem)
         return True

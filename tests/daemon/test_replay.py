@@ -156,6 +156,26 @@ def test_one_prompt_token_edited_is_the_first_difference(demo_record, tmp_path, 
     assert code == 1 and f"tick {d.tick} (plan_seq {d.plan_seq}) differs: TickEvents.{d.field}" in out, out
 
 
+def test_an_emitted_token_edited_in_the_record_is_named(demo_record, tmp_path):
+    """The tokens an emit wrote to the ring are compared, not just its reference."""
+    edited = tmp_path / "edited"
+    shutil.copytree(demo_record, edited)
+    path = rf.segment_files(str(edited / "worker-0"))[0][1]
+    frames = [(f.kind, f.body) for f in rf.read_file(path).frames]
+    tick = 0
+    for kind, body in frames:
+        tick += kind == rf.PLAN
+        if kind == rf.DONE and body[3][1]:
+            data = body[3][1]
+            body[3][1] = data[:-4] + (int.from_bytes(data[-4:], "little") ^ 1).to_bytes(4, "little")
+            break
+    rf.write_file(path, frames)
+    (w,) = replay(str(edited))
+    d = w.difference
+    assert d is not None and d.tick == tick and d.message == "TickEvents", d
+    assert d.field.startswith("emits[") and ".tokens[" in d.field and d.replayed == d.recorded ^ 1, d.line()
+
+
 def test_a_torn_last_record_is_left_out(demo_record, tmp_path):
     torn = tmp_path / "torn"
     shutil.copytree(demo_record, torn)
