@@ -162,7 +162,7 @@ class _Epoch:
         s = self.s
         over = s.rings.overrun + (s.state_dir.overrun if s.state_dir is not None else [])
         if over:
-            return ("reads", "what the worker did", over[0])
+            return ("a read the worker did not make", None, over[0])
         if s.clock.at != len(reads[0]) or s.clock.over:
             return ("clock readings", len(reads[0]), s.clock.at + s.clock.over)
         for name, left in (("yield_requested", s.rings.yields), ("latency_wanted", s.rings.latency)):
