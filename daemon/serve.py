@@ -118,6 +118,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"superfluid serve: --model {args.model}: no such directory", file=sys.stderr)
             return 2
         args.model = os.path.abspath(args.model)  # the workers get the very same checkpoint
+    if args.record is not None:  # the workers' flight records (docs/recorder.md)
+        args.record = os.path.abspath(args.record)
+        try:
+            os.makedirs(args.record, mode=0o700, exist_ok=True)
+            if not os.access(args.record, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            print(f"superfluid serve: --record {args.record}: {e.strerror}", file=sys.stderr)
+            return 2
     if args.node_rank > 0:  # another machine's share of the --tp ranks: no segment, no worker
         from superfluid.daemon.tp_node import serve_ranks
         from superfluid.daemon.worker import runtime_options

@@ -140,6 +140,8 @@ _DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
 
 
 U32_MAX = (1 << 32) - 1  # the runtime description's fields (abi/superfluid.h RuntimeDesc)
+DEFAULT_RECORD_BYTES = 256 << 20  # --record-bytes
+MIN_RECORD_BYTES = 32 << 10
 
 
 def _at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -228,6 +230,13 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="with --nnodes > 1: the address where node 0's leader rank listens for the others")
     p.add_argument("--master-port", type=_at_least(1, 65535), default=29517,
                    help="with --nnodes > 1: its port (default 29517)")
+    # Not the runtime's, but passed on to every worker like its options (serve's runtime_argv).
+    p.add_argument("--record", metavar="DIR",
+                   help="flight recorder: keep what each worker consumes (plans, ops, prompts, sessions, the "
+                        "outcomes) in DIR/worker-<i>/, for `superfluid replay` (docs/recorder.md)")
+    p.add_argument("--record-bytes", type=_at_least(MIN_RECORD_BYTES), default=DEFAULT_RECORD_BYTES, metavar="N",
+                   help=f"the most a worker's record keeps (default {DEFAULT_RECORD_BYTES >> 20} MiB; the oldest "
+                        "segment file goes first)")
     p.add_argument("--threads", type=_at_least(0), default=0,
                    help="threads per worker (default: torch's choice): a transformer on the CPU runs our "
                         "kernels on them and torch's own ops on one; else torch's. Keep workers x threads at or "
@@ -321,7 +330,8 @@ def read_fault_schedule(path: str):  # type: ignore[no-untyped-def]
         raise ValueError(f"--fault-schedule {path}: {e}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def worker_parser() -> argparse.ArgumentParser:
+    """The worker's command line (a replay parses a recorded one with it)."""
     p = argparse.ArgumentParser(prog="superfluid-worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--segment", required=True, help="path of this worker's segment")
@@ -333,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-init", help=argparse.SUPPRESS)  # where the daemon's TP ranks meet
     p.add_argument("--tp-shm", help=argparse.SUPPRESS)
     add_runtime_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = worker_parser().parse_args(argv)
 
     from superfluid.daemon.control import Control
     from superfluid.daemon.segment_rings import SegmentRings
@@ -387,7 +402,26 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNSERVABLE
     if metrics is not None:
         ex.fault_sink = metrics.fault_injected
-    status = Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics).run()
+    recorder = None
+    if args.record:
+        from superfluid.daemon.recorder import Recorder
+        from superfluid.engine.tiny import default_model_dir
+
+        try:
+            recorder = Recorder(args.record, seg.index, max_bytes=args.record_bytes, epoch=args.epoch, argv=argv,
+                                model=None if args.fake else (args.model or str(default_model_dir())),
+                                state_bytes=state_bytes)
+        except OSError as e:  # the folder or a file an option names: a restart may mend it
+            print(f"superfluid worker: --record {args.record}: {e}", file=sys.stderr)
+            return EXIT_LOAD
+    try:
+        worker = Worker(seg, ex, epoch=args.epoch, control=control, metrics=metrics, recorder=recorder)
+    except OSError as e:  # the recorder's first file (made when the worker attaches it)
+        print(f"superfluid worker: --record {args.record}: {e}", file=sys.stderr)
+        return EXIT_LOAD
+    status = worker.run()
+    if recorder is not None:
+        recorder.close()
     runtime.close()  # a tensor-parallel leader tells its followers to stop (they exit 0)
     return status
 

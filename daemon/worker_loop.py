@@ -14,6 +14,10 @@ Nothing a planner writes into the segment stops this loop (contract §10):
 - everything going out waits in an outbox (outbox.py): a planner that stops reading
   blocks nothing but its own replies (the heartbeat goes on, ops are served
   as room allows, `blocked_since_ns` says since when).
+
+With a flight recorder (recorder.py, serve --record), each session begun,
+op, plan and op flush is recorded before the executor gets it, and the
+outcome after.
 """
 
 from __future__ import annotations
@@ -22,18 +26,23 @@ import os
 import struct
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import msgpack
 
 from superfluid.abi import ECHO_BYTES, OpStatus, QueueKind, Status, WorkerState, codec, ffi, lib
 from superfluid.abi.plan_codec import PlanReject, decode_plan, empty_plan, plan_seq_of
-from superfluid.abi.records import OpCompletion, QueueReset, TickEvents
+from superfluid.abi.records import OpCompletion, QueueReset, TickEvents, TickMemCounters
 from superfluid.daemon.control import ASKED, Control
 from superfluid.daemon.outbox import Outbox, completion_bytes
+from superfluid.daemon.record_format import PATH_EMPTY, PATH_TICK, PATH_UNDECODED, message_bytes
 from superfluid.executor import Executor
 from superfluid.rings.naming import parse_segment_path
 from superfluid.rings.queue import SpinBudget
 from superfluid.rings.repair import repair_geometry, repair_identity
+
+if TYPE_CHECKING:
+    from superfluid.daemon.recorder import Recorder
 
 # An idle worker sleeps on the plan queue; ops arrive on another queue, so it
 # looks at them this often (an op's completion waits at most this long).
@@ -76,6 +85,17 @@ assert _TICK_WORDS.size == 56 and _LIFE_WORDS.size == 40
 assert ffi.offsetof("WorkerCounters", "last_fault_code") == _FAULT_AT + 8
 
 
+def run_empty(ex: Executor, head: tuple[int, int]) -> tuple[TickMemCounters, int] | None:
+    """An empty plan through tick_empty: (its memory record, the wall
+    nanoseconds), or None where the general path must take it. A replay
+    (replay.py) calls this too: it reads the clock where the worker does."""
+    t0 = ex.clock()
+    mem = ex.tick_empty(*head)
+    if mem is None:
+        return None
+    return mem, ex.clock() - t0
+
+
 class Stopped(Exception):
     """The daemon asked this worker to stop."""
 
@@ -92,7 +112,7 @@ def _op_id(payload: bytes) -> int:
 
 class Worker:
     def __init__(self, segment, executor: Executor, *, epoch: int, control: Control | None = None,
-                 metrics=None):
+                 metrics=None, recorder: Recorder | None = None):
         self.seg = segment
         segment.plan_queue.spin = SpinBudget(PLAN_SPIN_NS)
         self.ex = executor
@@ -127,6 +147,10 @@ class Worker:
         executor.steps_done = self._steps_done
         executor.event_capacity = self.slot_bytes
         self._events_view = segment.event_queue._view
+        # The flight recorder (recorder.py): told what the executor is handed, and its answers.
+        self.rec = recorder
+        if recorder is not None:
+            recorder.attach(executor)
 
     # ------------------------------------------------------------- output
 
@@ -143,6 +167,8 @@ class Worker:
 
     def _flush_ops(self) -> None:
         if self.ex.pending.completions:
+            if self.rec is not None:
+                self.rec.flush()
             self.out.completions(self.ex.pending.take_completions(), self._comp_session)
 
     def _while_blocked(self) -> None:
@@ -256,6 +282,8 @@ class Worker:
         if session != self.session:
             self._flush_ops()  # the last session's completions are its own
             self.session = session
+            if self.rec is not None:
+                self.rec.session(session)
             self.ex.begin_session(session)
             self.seg.counters.last_plan_seq = 0  # first: the header says it is session_id's (0 before a plan)
             self.seg.counters.session_id = session  # at once: sf_session_begin counts past it
@@ -294,7 +322,12 @@ class Worker:
                 stale.setdefault(session, []).append(done)
             else:
                 self._comp_session = session
+                rec = self.rec
+                if rec is not None:
+                    rec.op(payload)
                 done = self.ex.op(payload, queue=True)
+                if rec is not None:
+                    rec.op_done(done)
             pending += completion_bytes(done)
         for session, comps in stale.items():
             self.out.completions(comps, session)
@@ -312,19 +345,33 @@ class Worker:
             ev = TickEvents(plan_seq=seq, status=int(Status.StaleSession), worker_epoch=self.epoch,
                             message=self._stale("plan", session).encode())
         else:
+            rec = self.rec  # (None once this plan's PLAN record is written)
             if not self._outbox and not self.ex.pending.completions:
                 head = empty_plan(slot)
-                if head is not None and self._empty(head, session):
-                    return
+                if head is not None:
+                    if rec is not None:
+                        rec.plan(message_bytes(slot), True, [])
+                        rec = None
+                    if self._empty(head, session):
+                        return
             try:
                 plan = decode_plan(slot)
             except PlanReject as r:
                 seq = plan_seq_of(slot)
+                if rec is not None:
+                    rec.plan(message_bytes(slot), False, [])  # the replay's decode_plan refuses it alike
                 _release(self._plan_view)
                 ev = self.ex.reject(seq, r).events
+                path = PATH_UNDECODED
             else:
+                msg = message_bytes(slot) if rec is not None else b""
                 _release(self._plan_view)  # decoded: the planner may queue the next plan now
+                if rec is not None:
+                    rec.plan_decoded(msg, plan)
                 ev = self.ex.tick(plan, decoded=True).events
+                path = PATH_TICK
+            if self.rec is not None:
+                self.rec.done(path, ev)
         self._tick_counters()  # before the events go out: a planner that sees them sees the counters too
         self.out.events(ev, session)
         if plan is not None:
@@ -332,6 +379,8 @@ class Worker:
             # against it for a core (on 2 cores its turnaround took ~15% longer).
             # (Again after steps_done: building the events may have run them.)
             self.ex.runtime.idle()
+        if self.rec is not None:
+            self.rec.flush_done()  # the tick's outcome, while the planner reads its events
         if self.metrics is not None:
             # After the events, while the planner reads them: a scrape sees the tick ~50 us later.
             self.metrics.tick(plan, ev)
@@ -344,14 +393,17 @@ class Worker:
         state, counters, metrics and event bytes as the general path gives
         it. False, having changed nothing, where the executor needs that path."""
         ex = self.ex
-        t0 = ex.clock()
-        mem = ex.tick_empty(*head)
-        if mem is None:
+        got = run_empty(ex, head)
+        if got is None:
             return False
         _release(self._plan_view)
-        wall = ex.clock() - t0
+        mem, wall = got
+        if self.rec is not None:
+            self.rec.done(PATH_EMPTY, mem)
         self._tick_counters()
         self.out.bare_events(head[0], wall, mem, ex.epoch, session)
+        if self.rec is not None:
+            self.rec.flush_done()
         if self.metrics is not None:
             self.metrics.tick_empty(wall, mem)
         return True

@@ -10,7 +10,7 @@ if __name__ != "superfluid.executor":  # imported by its bare name from a checko
 
 from superfluid.executor.executor import Executor, ExecutorFatal, TickResult
 from superfluid.executor.faults import KINDS as FAULT_KINDS, FaultSchedule, parse_schedule
-from superfluid.executor.op_fields import OpError
+from superfluid.executor.op_fields import OpError  # what StateDir and parse_schedule raise
 from superfluid.executor.speculation import MAX_SLOTS as SPEC_SLOTS
 from superfluid.executor.speculation_gate import MAX_BUCKET as SPEC_MAX_BUCKET
 from superfluid.executor.state_dir import StateDir

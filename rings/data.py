@@ -70,6 +70,37 @@ class DataRing:
         self._live()
         return int(lib.sf_load_acquire_u64(ffi.addressof(self._view.r, "head")))
 
+    def next_start(self) -> int:
+        """Where the next write begins, in elements: the reservation when a
+        writer died mid-write (sf_ring_begin goes on from there), else the head."""
+        self._live()
+        r = self._view.r
+        return int(max(lib.sf_load_acquire_u64(ffi.addressof(r, "head")),
+                       lib.sf_load_acquire_u64(ffi.addressof(r, "reserve"))))
+
+    def start_at(self, position: int) -> None:
+        """Go on as a ring that stood at `position` (next_start): for a ring
+        no one else uses yet (a replay's, continuing a worker's)."""
+        self._live()
+        self._view.r.reserve = position
+        lib.sf_store_release_u64(ffi.addressof(self._view.r, "head"), position)
+
+    def span_bytes(self, start: int, end: int) -> bytes | None:
+        """The bytes at element positions [start, end) (next_start's
+        numbering; skipped tails included), or None once the ring no longer
+        holds them all. For the ring's one writer: nothing writes meanwhile."""
+        self._live()
+        cap, n = self.capacity, end - start
+        if n <= 0:
+            return b""
+        if n > cap:
+            return None
+        buf = ffi.buffer(self._view.data, cap * 4)
+        a = start % cap
+        if a + n <= cap:
+            return bytes(buf[a * 4:(a + n) * 4])
+        return bytes(buf[a * 4:]) + bytes(buf[:(n - (cap - a)) * 4])
+
     def write(self, values: npt.ArrayLike) -> RingRef:
         """Append `values` (one contiguous run) and return its reference."""
         self._live()

@@ -17,6 +17,7 @@ import superfluid
 COMMANDS: tuple[str, ...] = (
     "superfluid.bench",
     "superfluid.client.workload",
+    "superfluid.daemon.replay",
     "superfluid.daemon.serve",
     "superfluid.daemon.status",
     "superfluid.demo",

@@ -96,7 +96,8 @@ def _host_sampler(params: SamplingParams):
 
 
 class _Progress:
-    def __init__(self, total: int, label: str, out=sys.stderr):
+    def __init__(self, total: int, label: str, out=None):
+        out = sys.stderr if out is None else out  # (at call time: whatever stderr is now)
         self.total, self.label, self.out = total, label, out
         self.tty = out.isatty()
         self.last = 0.0

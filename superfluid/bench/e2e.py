@@ -85,13 +85,13 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
-def _daemon(model: str, worker_args: list[str], n: int = 0):
+def _daemon(model: str, worker_args: list[str], n: int = 0, tag: str = ""):
     """A daemon with one worker (its supervisor on a thread here) and a
     Client to it; close() ends both."""
     from superfluid.client import Client
     from superfluid.daemon.supervisor import Daemon
 
-    name = f"e2e-{os.getpid()}-{n}"
+    name = f"e2e-{os.getpid()}-{n}{tag}"
     d = Daemon(name, ["--model", model, *worker_args], workers=1, handle_signals=False)
     d.start()
     loop = threading.Thread(target=d.serve_forever, daemon=True)
@@ -108,10 +108,10 @@ def _daemon(model: str, worker_args: list[str], n: int = 0):
         raise
 
 
-def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int,
-           worker_args: list[str], min_seconds: float = 0.0) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
-    """(daemon, in-process) median runs and each repeat's paired ratio (_both),
-    the in-process executor under the worker's thread layout."""
+def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int, worker_args: list[str],
+           min_seconds: float = 0.0, record: str | None = None) -> tuple[dict[str, dict[str, Any]], list[float]]:
+    """Each path's median run and each repeat's paired daemon/in-process
+    ratio (_both), the in-process executor under the worker's thread layout."""
     from superfluid.client.local import LocalClient
     from superfluid.engine import load
     from superfluid.executor import Executor
@@ -124,7 +124,7 @@ def _paths(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: i
         backend = _flag(worker_args, "--backend", "torch")
         return _both(model, reqs, budget=budget, grant=grant, repeats=repeats, warmup=warmup,
                      worker_args=worker_args, min_seconds=min_seconds,
-                     local=lambda: LocalClient(Executor(load(model, backend))))
+                     local=lambda: LocalClient(Executor(load(model, backend))), record=record)
     finally:
         cpu.restore_threads(before)
 
@@ -153,12 +153,15 @@ BLOCK = 2
 
 
 def _both(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: int, worker_args: list[str],
-          min_seconds: float, local) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+          min_seconds: float, local, record: str | None = None) -> tuple[dict[str, dict[str, Any]], list[float]]:
     """Both paths take turns, the order swapped every repeat, so drift in the
     machine's load hits both alike; every BLOCK repeats a fresh daemon worker
     and a fresh in-process executor (`local()`), each first running `warmup`
-    requests untimed."""
-    runs: dict[str, list[dict[str, Any]]] = {"daemon": [], "inproc": []}
+    requests untimed. With `record` a third path, a daemon whose worker keeps
+    a flight record there (serve --record), takes its turn too (the order
+    rotated every repeat)."""
+    names = ("inproc", "daemon", "recorded") if record else ("inproc", "daemon")
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     r, least = 0, max(1, repeats)
 
     def more() -> bool:  # more runs wanted: too few, too little timed, or an extra pair half done
@@ -168,20 +171,26 @@ def _both(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: in
     # Extra repeats come in pairs, one of each order, so they do not tip which path goes first.
     cap = least + 2 * (3 * least // 2)
     while more():
-        client, close = _daemon(model, worker_args, r)
+        opened = [_daemon(model, worker_args, r)]
         try:
-            paths = {"daemon": client, "inproc": local()}
+            paths = {"daemon": opened[0][0], "inproc": local()}
+            if record:
+                opened.append(_daemon(model, [*worker_args, "--record", record], r, "-rec"))
+                paths["recorded"] = opened[1][0]
             for c in paths.values():
                 _drive(c, reqs[:warmup], budget=budget, grant=grant)
             for _ in range(BLOCK):
                 if not more():
                     break
-                for name in (("inproc", "daemon") if r % 2 == 0 else ("daemon", "inproc")):
+                k = r % len(names)  # two paths: swapped every repeat; three: rotated
+                order = names[k:] + names[:k]
+                for name in order:
                     runs[name].append(_drive(paths[name], reqs, budget=budget, grant=grant))
                 r += 1
         finally:
-            client.close()
-            close()
+            for client, close in opened:
+                client.close()
+                close()
     out = {}
     for name, rs in runs.items():
         med = _median(rs)
@@ -195,7 +204,11 @@ def _both(model: str, reqs, *, budget: int, grant: int, repeats: int, warmup: in
     paired = [d["tok_s"] / i["tok_s"] for d, i in zip(runs["daemon"], runs["inproc"])]
     out["daemon"]["same_as_inproc"] = all(d["outputs"] == i["outputs"] for d, i in zip(runs["daemon"], runs["inproc"]))
     out["inproc"]["threads"] = threads_now()
-    return out["daemon"], out["inproc"], paired
+    if record:
+        out["recorded"]["paired"] = [x["tok_s"] / d["tok_s"] for x, d in zip(runs["recorded"], runs["daemon"])]
+        out["recorded"]["same_as_daemon"] = all(x["outputs"] == d["outputs"]
+                                                for x, d in zip(runs["recorded"], runs["daemon"]))
+    return out, paired
 
 
 def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
@@ -231,7 +244,7 @@ def _hf(model: str, reqs, batch: int) -> dict[str, Any]:
 
 def run(*, requests: int = 512, model: str | None = None, budget: int = 512, grant: int = 8, seed: int = 3,
         hf_batch: int = 8, hf_requests: int = 32, repeats: int = 5, warmup: int = 128,
-        worker_args: list[str] | None = None, min_seconds: float = 40.0) -> dict[str, Any]:
+        worker_args: list[str] | None = None, min_seconds: float = 40.0, record: str | None = None) -> dict[str, Any]:
     from superfluid.engine.config import load_config
     from superfluid.engine.tiny import default_model_dir
 
@@ -239,9 +252,10 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
     reqs = _workload(requests, load_config(model).vocab_size, seed)
     t0 = time.perf_counter()
     load_before = os.getloadavg()
-    daemon, inproc, paired = _paths(model, reqs, budget=budget, grant=grant, repeats=repeats,
-                                    warmup=min(warmup, requests), worker_args=list(worker_args or []),
-                                    min_seconds=min_seconds)
+    paths, paired = _paths(model, reqs, budget=budget, grant=grant, repeats=repeats,
+                           warmup=min(warmup, requests), worker_args=list(worker_args or []),
+                           min_seconds=min_seconds, record=record)
+    daemon, inproc = paths["daemon"], paths["inproc"]
     load_after = os.getloadavg()
     hf = _hf(model, reqs[:max(1, min(hf_requests, requests))], hf_batch) if hf_requests else None
     return {
@@ -281,6 +295,24 @@ def run(*, requests: int = 512, model: str | None = None, budget: int = 512, gra
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "wall_s": round(time.perf_counter() - t0, 1),
+        "recorded": _recorded(paths["recorded"], daemon, record) if record else None,
+    }
+
+
+def _recorded(rec: dict[str, Any], daemon: dict[str, Any], record: str) -> dict[str, Any]:
+    """The daemon path again with its worker's flight recorder on (serve
+    --record): its speed over the plain daemon's, paired run by run."""
+    held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(record) for f in fs)
+    return {
+        "tok_s": round(rec["tok_s"], 1),
+        "recorded_to_daemon": round(rec["tok_s"] / daemon["tok_s"], 3),
+        "recorded_to_daemon_paired": round(float(np.median(rec["paired"])), 3),
+        "runs_recorded_to_daemon": [round(x, 3) for x in rec["paired"]],
+        "paired_ci90": _ci90(rec["paired"]),
+        "recorded_to_daemon_total": round(rec["total_tok_s"] / daemon["total_tok_s"], 3),
+        "tick_time_recorded_to_daemon": round(rec["tick_s_median"] / daemon["tick_s_median"], 3),
+        "runs_tok_s": rec["runs_tok_s"], "same_tokens_as_daemon": rec["same_as_daemon"],
+        "record_dir": record, "record_bytes_held": held,
     }
 
 
@@ -290,7 +322,8 @@ def _main(args: argparse.Namespace) -> int:
         args.min_seconds = 0.0 if args.min_seconds is None else args.min_seconds
     res = run(requests=args.requests or 512, model=args.model, repeats=args.repeats or 5,
               min_seconds=40.0 if args.min_seconds is None else args.min_seconds,
-              hf_requests=args.hf_requests, worker_args=args.worker_args.split() if args.worker_args else None)
+              hf_requests=args.hf_requests, worker_args=args.worker_args.split() if args.worker_args else None,
+              record=os.path.abspath(args.record) if args.record else None)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -302,6 +335,11 @@ def _main(args: argparse.Namespace) -> int:
               f"TTFT p50 {res['ttft_ms']['p50']} ms, p99 {res['ttft_ms']['p99']} ms; "
               f"{res['workload']['tokens']} tokens a run, runs {res['runs_wall_s']} s; "
               f"load {res['loadavg_before']} -> {res['loadavg_after']}")
+        if res["recorded"]:
+            rec = res["recorded"]
+            print(f"with --record: {rec['tok_s']} tok/s, recorded/daemon paired {rec['recorded_to_daemon_paired']} "
+                  f"(90% CI {rec['paired_ci90']}, all runs {rec['recorded_to_daemon_total']}, runs "
+                  f"{rec['runs_recorded_to_daemon']}); {rec['record_bytes_held']} bytes of record held")
     return 0
 
 
@@ -319,4 +357,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a few requests, one run each: a smoke test, not a number")
     p.add_argument("--worker-args", help="extra worker options for the daemon, e.g. '--threads 1'")
     p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--record", metavar="DIR",
+                   help="also run the daemon path with its worker's flight recorder on (serve --record DIR), "
+                        "and report what it costs (docs/recorder.md)")
     p.set_defaults(func=_main)

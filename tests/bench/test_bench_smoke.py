@@ -210,6 +210,21 @@ def test_bench_e2e_keys(shm_dir, capsys):
     assert not os.listdir(shm_dir)
 
 
+@pytest.mark.timeout(300)
+def test_bench_e2e_with_the_recorder(shm_dir, tmp_path, capsys):
+    """--record: a third path, the daemon with its flight recorder on; same tokens, its cost
+    reported, and its record replays identical."""
+    rec = tmp_path / "rec"
+    assert main(["bench", "e2e", "--json", "--requests", "6", "--repeats", "1", "--min-seconds", "0",
+                 "--hf-requests", "0", "--record", str(rec)]) == 0
+    res = json.loads(capsys.readouterr().out)["recorded"]
+    assert res["tok_s"] > 0 and res["recorded_to_daemon_paired"] > 0 and res["same_tokens_as_daemon"] is True
+    assert len(res["runs_recorded_to_daemon"]) == 1 and res["record_bytes_held"] > 0
+    assert main(["replay", str(rec), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["identical"] is True
+    assert not os.listdir(shm_dir)
+
+
 @pytest.mark.timeout(120)
 def test_bench_prefix_keys(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
