@@ -213,6 +213,8 @@ def start(h: dict[str, Any], first_file: str, model: str | None, tmp: str) -> St
     rings = ReplayRings(h["rings"])
     ex = make_executor(args, runtime, rings, epoch=h["epoch"], fatal_exit=False, state_bytes=h["state_bytes"])
     ex.event_capacity = h["event_capacity"]
+    if ex.fault_rt is not None:
+        ex.fault_rt.sleep = lambda s: None  # a schedule's stalls and slow steps change only timings
     ex.partial_sink = lambda *_: None  # the worker's sends partial emits to its stream queue
     clock = ReplayClock()
     ex.clock = clock

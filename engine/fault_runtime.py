@@ -66,6 +66,7 @@ class FaultRuntime(Runtime):
         self.slow_until = 0  # the last tick the slowdown lasts
         self.tick = 0
         self.fired = fired or (lambda kind: None)
+        self.sleep: Callable[[float], None] = time.sleep  # a replay passes the stalls by (timings are not compared)
 
     def clear(self) -> None:
         for p in PHASES:
@@ -88,13 +89,13 @@ class FaultRuntime(Runtime):
             a = armed.pop(0)
             self.fired(a.kind)
             if a.kind == "stall":
-                time.sleep(a.ms / 1e3)
+                self.sleep(a.ms / 1e3)
             elif a.kind == "fatal":
                 raise InjectedFatal(f"injected fatal error during {self.phase} ({a.why})")
             else:
                 raise InjectedCapacity(f"injected capacity failure during {self.phase} ({a.why})")
         if self.slow_ms and self.tick <= self.slow_until:
-            time.sleep(self.slow_ms / 1e3)
+            self.sleep(self.slow_ms / 1e3)
 
     def _poisoned(self, feeds: Sequence[Feed]) -> frozenset[int]:
         """This step's sequences whose next row is to be NaN (taken: once each)."""

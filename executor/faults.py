@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -266,7 +265,7 @@ class FaultSchedule:
                 raise InjectedFatal(f"injected fatal error at {why}")
             if r.kind == "stall":
                 rt.fired("stall")
-                time.sleep(r.ms / 1e3)
+                rt.sleep(r.ms / 1e3)
             elif r.kind == "slow":
                 rt.fired("slow")
                 rt.slow_ms, rt.slow_until = r.ms, rt.tick + r.ticks - 1
@@ -287,4 +286,4 @@ class FaultSchedule:
             rt.fired(r.kind)
             if r.kind == "fatal":
                 raise InjectedFatal(f"injected fatal error at {OpKind(kind).name} number {r.n}")
-            time.sleep(r.ms / 1e3)
+            rt.sleep(r.ms / 1e3)

@@ -1,6 +1,6 @@
 """For fault-injection harnesses: a daemon on a model, with fault injection
-on, a fault schedule and the stall watchdog as asked, and a connected
-reference Planner (docs/faults.md).
+on, a fault schedule, a flight record and the stall watchdog as asked, and a
+connected reference Planner (docs/faults.md, docs/recorder.md).
 
     from superfluid.testing.harness import faulty_daemon
 
@@ -64,15 +64,20 @@ class Harness:
 
 @contextlib.contextmanager
 def faulty_daemon(model: str | None = None, *, schedule: Mapping[str, Any] | None = None,
-                  tick_timeout: float = 300.0, serve_args: Sequence[str] = (), name: str | None = None,
+                  record: str | os.PathLike[str] | None = None, tick_timeout: float = 300.0,
+                  serve_args: Sequence[str] = (), name: str | None = None,
                   planner_options: Mapping[str, Any] | None = None) -> Iterator[Harness]:
     """A daemon (one worker) on `model` (default: the embedded tiny model)
     with fault injection, `schedule` ({seed, rules}: installed at every start
-    of the worker, as serve --fault-schedule), the watchdog at
+    of the worker, as serve --fault-schedule), a flight record in `record`
+    (`superfluid replay` reads it: docs/recorder.md), the watchdog at
     `tick_timeout`, quick restarts; yields a Harness with a connected Planner."""
     from superfluid.engine.tiny import default_model_dir
 
     args = ["--model", model or str(default_model_dir()), *serve_args]
+    if record is not None:
+        os.makedirs(record, exist_ok=True)
+        args += ["--record", os.fspath(record)]
     with tempfile.TemporaryDirectory(prefix="sf-harness-") as tmp:
         if schedule is not None:
             from superfluid.daemon.worker import read_fault_schedule

@@ -23,12 +23,16 @@ def test_a_kill_at_the_fifth_token_changes_no_token():
     assert got == want and len(want) == 12
 
 
-def test_the_fixture_and_a_bad_schedule(faulty_daemon_factory):
-    h = faulty_daemon_factory(tick_timeout=0)
+def test_the_fixture_a_record_and_a_bad_schedule(faulty_daemon_factory, tmp_path):
+    h = faulty_daemon_factory(tick_timeout=0, record=tmp_path / "rec")
     assert h.install_faults([{"when": {"token": 2}, "what": {"fault": "INTERNAL"}}]) == 1
     rid = h.planner.submit([5, 6, 7], 4)
     rep = h.planner.run_until_done(120)
     assert h.planner.stats.faults == 1 and len(rep.results[rid].tokens) == 4  # faulted, re-admitted, done
+    from superfluid.daemon.replay import replay
+
+    (w,) = replay(str(tmp_path / "rec"))  # the installed schedule's fault included
+    assert w.difference is None and w.ticks >= 2
     with pytest.raises(ValueError, match=r"rules\[0\]\.when\.tick"):
         h.install_faults([{"when": {"tick": 0}, "what": {"fault": 2}}])
     no_what = {"rules": [{"when": {"tick": 1}}]}

@@ -331,3 +331,34 @@ def test_what_a_hostile_planner_sends_replays_identical(tmp_path):
             == Status.OK
     (w,) = replay(str(rec))
     assert w.difference is None and w.ticks >= 16 and w.ops >= 3, w.difference and w.difference.line()
+
+
+# ------------------------------------------------ under a fault schedule
+
+
+def test_a_run_under_a_seeded_fault_schedule_replays_identical(tmp_path):
+    """Seeded chance faults, a NaN row at a lane's 4th token, a stall, a
+    capacity failure and a fatal error in epoch 1 (the worker exits 70):
+    every fault replays, injected marks included, in both epochs; and the
+    schedule is the recorded file's content, not whatever the path holds now."""
+    import json
+
+    sched = tmp_path / "faults.json"
+    sched.write_text(json.dumps({"seed": 11, "rules": [
+        {"when": {"chance": 0.15}, "what": {"fault": "INTERNAL"}},
+        {"when": {"token": 4}, "what": {"nan": True}, "times": 2},
+        {"when": {"tick": 3}, "what": {"stall_ms": 200, "during": "decode"}},
+        {"when": {"tick": 4}, "what": {"capacity": "decode"}},
+        {"when": {"tick": 6, "epoch": 1}, "what": {"fatal": "decode"}},
+    ]}))
+    rec = tmp_path / "rec"
+    with daemon(f"rfault{os.getpid()}", "--model", str(default_model_dir()), "--record", str(rec),
+                "--fault-schedule", str(sched), fault_injection=True) as d:
+        p = drive(d.name, greedy(6, 7, new=12))
+        exits = d.counters.exits()
+    assert p.stats.faults >= 3 and p.stats.restarts == 1 and exits == {(0, "exit_70"): 1}, (p.stats, exits)
+    sched.write_text(json.dumps({"rules": []}))  # the replay reads the record, not the file
+    results = replay(str(rec))
+    assert results[0].difference is None, results[0].difference.line()
+    eps = epochs_of(results)
+    assert [e["epoch"] for e in eps] == [1, 2] and eps[0]["ticks"] >= 5, eps
