@@ -84,7 +84,7 @@ else:
     Determinism = _enum("Determinism", "SF_CLASS_")
     AdmitStatus = _enum("AdmitStatus", "SF_ADMIT_")
     Finish = _enum("Finish", "SF_FINISH_")
-    Fault = _enum("Fault", "SF_FAULT_")
+    Fault = _enum("Fault", "SF_FAULT_", exclude=("DETAIL_",))  # SF_FAULT_DETAIL_INJECTED is a bit of detail
     ShedKind = _enum("ShedKind", "SF_SHED_", exclude=("REASON_",))
     ShedReason = _enum("ShedReason", "SF_SHED_REASON_")
     RingId = _enum("RingId", "SF_RING_")

@@ -69,7 +69,6 @@ class Fault(enum.IntEnum):
     REF_SPAN_OOB = 4
     INJECTED = 5
     NUMERIC = 6
-    DETAIL_INJECTED = 9223372036854775808
 
 
 class ShedKind(enum.IntEnum):

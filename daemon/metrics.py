@@ -62,7 +62,7 @@ _LAYOUT: tuple[tuple[str, int], ...] = (
     ("spec_proposed", 1), ("spec_accepted", 1), ("partial_dropped", 1),
     ("faults_injected", len(_FAULT_KINDS)),
     # gauges (cleared by restarted())
-    ("live_lanes", 1), ("cache_entries", 1), ("cache_bytes", 1),
+    ("live_lanes", 1), ("cache_entries", 1), ("cache_bytes", 1), ("heartbeat_ns", 1),
     ("kv_blocks_used", 1), ("kv_blocks_total", 1), ("blocked_since_ns", 1),
     ("spec_gate_state", _SPEC_CELLS), ("spec_draft_ns_per_token", _SPEC_CELLS),
     ("spec_plain_ns_per_token", _SPEC_CELLS),
@@ -87,7 +87,7 @@ _KV_USED, _KV_TOTAL, _BLOCKED = _AT["kv_blocks_used"], _AT["kv_blocks_total"], _
 _PREFILL_CHUNK, _CACHE_EVICTION = int(ShedKind.PREFILL_CHUNK), int(ShedKind.CACHE_EVICTION)
 _PROPOSED, _ACCEPTED, _PARTIAL_DROPPED = _AT["spec_proposed"], _AT["spec_accepted"], _AT["partial_dropped"]
 _GATE0, _DRAFT_NS0, _PLAIN_NS0 = _AT["spec_gate_state"], _AT["spec_draft_ns_per_token"], _AT["spec_plain_ns_per_token"]
-_FAULTS0 = _AT["faults_injected"]
+_FAULTS0, _HEARTBEAT = _AT["faults_injected"], _AT["heartbeat_ns"]
 
 
 class WorkerMetrics:
@@ -241,6 +241,14 @@ class WorkerMetrics:
     def fault_injected(self, kind: str) -> None:
         """A fault schedule's (or INJECT_FAULT's) fault happened (executor/faults.py KINDS)."""
         self._w[_FAULTS0 + _FAULT_KINDS.index(kind)] += 1
+
+    def beat(self, now_ns: int) -> None:
+        """The worker's loop moved (CLOCK_MONOTONIC ns): the stall watchdog's heartbeat."""
+        self._w[_HEARTBEAT] = now_ns
+
+    def heartbeat(self) -> int:
+        """The last beat (0: none since this worker started)."""
+        return int(self._w[_HEARTBEAT])
 
     def partial_dropped(self) -> None:
         """A partial emit dropped: the stream queue stayed full."""

@@ -399,10 +399,10 @@ class Daemon:
         for w in self._workers:
             if w.proc is None or not w.ready or w.stalled:
                 continue
-            c = w.seg.counters
-            age = stall_age(c.heartbeat_ns, now, self.tick_timeout)
+            age = stall_age(w.metrics.heartbeat(), now, self.tick_timeout)
             if age is None:
                 continue
+            c = w.seg.counters  # (the header's: only for the log)
             log.error("worker %d (pid %d, epoch %d) stalled: its loop has not moved for %.1f s (--tick-timeout "
                       "%g; %d ticks, last plan_seq %d; a tick or an op did not return): killing it", w.index,
                       w.proc.pid, w.epoch, age, self.tick_timeout, c.ticks, c.last_plan_seq)

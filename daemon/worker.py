@@ -307,6 +307,8 @@ def make_executor(args: argparse.Namespace, runtime, rings, *, epoch: int, fatal
                   cache_max_bytes=args.cache_bytes, host_cache_bytes=args.host_cache_bytes,
                   max_leases=args.max_leases, state_dir=args.state_dir, state_dir_bytes=state_bytes)
     if args.fault_schedule:
+        if not args.fault_injection:
+            raise ValueError(f"--fault-schedule {args.fault_schedule}: needs --fault-injection")
         ex.install_faults(read_fault_schedule(args.fault_schedule))
     return ex
 
@@ -320,7 +322,7 @@ def read_fault_schedule(path: str):  # type: ignore[no-untyped-def]
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"--fault-schedule {path}: {e}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"--fault-schedule {path}: expected a JSON object {{\"seed\": ..., \"rules\": [...]}}")

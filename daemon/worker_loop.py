@@ -251,8 +251,18 @@ class Worker:
         """The heartbeat and the loop's own counters: every REPORT_S from
         the loop (and whenever it idles or blocks), not every plan; what
         moves them writes its own word at once too (session, stale)."""
-        _LIFE_WORDS.pack_into(self._counters_mv, _LIFE_AT, _now_ns() if now_ns is None else now_ns,
-                              self.out.blocked_since, self.session, self.stale_messages, self.queue_resets)
+        now = _now_ns() if now_ns is None else now_ns
+        _LIFE_WORDS.pack_into(self._counters_mv, _LIFE_AT, now, self.out.blocked_since, self.session,
+                              self.stale_messages, self.queue_resets)
+        if self.metrics is not None:
+            self.metrics.beat(now)
+
+    def _beat(self) -> None:
+        """The watchdog's heartbeat (the metrics block, which only the daemon
+        and this worker map: a planner cannot forge it) before each op and
+        plan, so a stall is one op or tick past --tick-timeout, not a sum."""
+        if self.metrics is not None:
+            self.metrics.beat(_now_ns())
 
     def _tick_counters(self) -> None:
         """What a tick moves, and the metrics gauges: every plan, before its
@@ -309,6 +319,7 @@ class Worker:
                 break
             if (slot := q.try_peek()) is None:
                 break
+            self._beat()
             session = codec.session_of(slot)
             try:
                 payload = codec.raw_payload(slot)
@@ -337,6 +348,7 @@ class Worker:
     def _plan(self, slot) -> None:
         # The plan queue's view is this loop's alone (one thread; the segment
         # closes only after run() returns): its C calls go straight in.
+        self._beat()
         session = _session_of(slot)
         plan = None
         if not self._current(session):

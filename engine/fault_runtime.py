@@ -67,6 +67,7 @@ class FaultRuntime(Runtime):
         self.tick = 0
         self.fired = fired or (lambda kind: None)
         self.sleep: Callable[[float], None] = time.sleep  # a replay passes the stalls by (timings are not compared)
+        self.poison_sink: Callable[[int], None] | None = None  # told of each sequence given a NaN row
 
     def clear(self) -> None:
         for p in PHASES:
@@ -104,9 +105,23 @@ class FaultRuntime(Runtime):
         hit = frozenset(f.seq for f in feeds if f.seq in self.nan_seqs and f.wants_row)
         self.nan_seqs -= hit
         self.poisoned |= hit
-        for _ in hit:
+        for seq in hit:
             self.fired("nan")
+            if self.poison_sink is not None:
+                self.poison_sink(seq)
         return hit
+
+    def disarm(self, seq: int) -> None:
+        """The sequence leaves its lane (a retire; its cells may live on in the cache)."""
+        self.nan_seqs.discard(seq)
+        self.poisoned.discard(seq)
+
+    def arm(self, phase: str, armed: Armed) -> bool:
+        """Arm a failure for the next step of `phase`; False when one of its kind waits there already."""
+        if any(a.kind == armed.kind for a in self.armed[phase]):
+            return False
+        self.armed[phase].append(armed)
+        return True
 
     def step(self, feeds: Sequence[Feed]) -> list[np.ndarray]:
         self._before()
@@ -154,8 +169,7 @@ class FaultRuntime(Runtime):
         self.inner.seq_settle(seq)
 
     def seq_free(self, seq: int) -> None:
-        self.nan_seqs.discard(seq)
-        self.poisoned.discard(seq)
+        self.disarm(seq)
         self.inner.seq_free(seq)
 
     def seq_len(self, seq: int) -> int:

@@ -140,12 +140,14 @@ class Executor:
             self.fault_sink(kind)
 
     def install_faults(self, schedule: FaultSchedule | None) -> int:
-        """Replace the fault schedule (None: clear it, and what it armed); the rules dropped."""
+        """Replace the fault schedule (None: clear it): what the old one armed,
+        pending INJECT_FAULTs included, goes with it; the rules dropped."""
+        if self.fault_rt is None:
+            raise ValueError("a fault schedule needs fault injection (--fault-injection)")
         dropped = len(self.faults) if self.faults is not None else 0
-        self.faults = schedule if schedule else None
-        if schedule is None and self.fault_rt is not None:
-            self.fault_rt.clear()
-            self.lanes.injected.clear()
+        self.faults = schedule
+        self.fault_rt.clear()
+        self.lanes.injected.clear()
         return dropped
 
     def fatal(self, during: str, err: Exception) -> ExecutorFatal:

@@ -165,6 +165,8 @@ def parse_schedule(rules: object, seed: object = 0) -> FaultSchedule:
         _when(rule, r.get("when"), f"{where}.when")
         _what(rule, r.get("what"), f"{where}.what")
         if "times" in r:
+            if rule.trigger == "tick":
+                raise _bad(f"{where}.times", "a tick rule fires once, at its tick")
             rule.times = _int(r["times"], f"{where}.times", 1, 1 << 32)
         out.append(rule)
     return FaultSchedule(out, s)
@@ -183,6 +185,7 @@ class FaultSchedule:
         self.ticking = any(r.trigger in ("tick", "chance") for r in rules)
         self.tokens = [r for r in rules if r.trigger == "token"]
         self.ops = [r for r in rules if r.trigger == "op"]
+        self._nan: dict[int, Rule] = {}  # sequence -> the rule that armed its next row NaN
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -203,7 +206,8 @@ class FaultSchedule:
     # ----------------------------------------------------------- triggers
 
     def on_tick(self, ex: Executor, plan: TickPlan, rt: FaultRuntime) -> None:
-        """An accepted tick begins (its number is counted): tick and chance rules."""
+        """An accepted tick begins (its number is counted): tick and chance
+        rules. A rule counts as fired when it had something to act on."""
         tick = ex.counters.tick_count
         rt.tick = tick
         for i, r in enumerate(self.rules):
@@ -213,27 +217,48 @@ class FaultSchedule:
                 continue
             if r.trigger == "chance" and self._draw(i, tick) >= r.p:
                 continue
-            r.fired += 1
             lanes = [r.lane] if r.lane is not None else [d.lane_tag for d in plan.decodes]
-            self._fire(r, ex, rt, [t for t in lanes if t in ex.lanes], f"rule {i}, tick {tick}")
+            if self._fire(r, ex, rt, [t for t in lanes if t in ex.lanes], f"rule {i}, tick {tick}"):
+                r.fired += 1
         if self.tokens:
             for d in plan.decodes:
                 lane = ex.lanes.get(d.lane_tag)
-                if lane is not None:
+                if lane is not None and lane.pending_row is None:  # a HOST lane's commit arms it (Tick.commits)
                     self.arm_nan(ex, lane, rt)
 
-    def _fire(self, r: Rule, ex: Executor, rt: FaultRuntime, lanes: list[int], why: str) -> None:
+    def _fire(self, r: Rule, ex: Executor, rt: FaultRuntime, lanes: list[int], why: str) -> bool:
+        """What the rule does this tick; False when it had nothing to act on."""
         if r.kind == "lane_fault":
             for tag in lanes:
                 ex.lanes.injected[tag] = r.code
-        elif r.kind == "nan":
-            for tag in lanes:
-                rt.nan_seqs.add(ex.lanes[tag].seq)
-        elif r.kind == "slow":
+            return bool(lanes)
+        if r.kind == "nan":
+            armed = [self._arm(r, ex.lanes[tag].seq, rt) for tag in lanes]
+            return any(armed)
+        if r.kind == "slow":
             rt.fired("slow")
             rt.slow_ms, rt.slow_until = r.ms, rt.tick + r.ticks - 1
-        else:
-            rt.armed[r.phase].append(Armed(r.kind, r.ms, why))
+            return True
+        return rt.arm(r.phase, Armed(r.kind, r.ms, why))
+
+    def _arm(self, r: Rule, seq: int, rt: FaultRuntime) -> bool:
+        """A NaN for this sequence's next row, on the rule's account: it counts
+        as fired when the row is poisoned (poisoned()), not before."""
+        if seq in rt.nan_seqs:
+            return False
+        self._nan = {s: rr for s, rr in self._nan.items() if s in rt.nan_seqs}  # armed rows not yet taken
+        if r.times is not None and r.fired + sum(rr is r for rr in self._nan.values()) >= r.times:
+            return False
+        self._nan[seq] = r
+        rt.nan_seqs.add(seq)
+        rt.poison_sink = self.poisoned
+        return True
+
+    def poisoned(self, seq: int) -> None:
+        """A row of `seq` was made NaN: the rule that armed it fired."""
+        r = self._nan.pop(seq, None)
+        if r is not None:
+            r.fired += 1
 
     def watches(self, tag: int) -> bool:
         """Whether a token rule may fire for this lane (it then decodes without drafts)."""
@@ -244,9 +269,8 @@ class FaultSchedule:
         k = _generated(lane) + 1
         for r in self.tokens:
             if (r.kind == "nan" and r.n == k and (r.lane is None or r.lane == lane.tag)
-                    and self._applies(r, ex.epoch)):
-                r.fired += 1
-                rt.nan_seqs.add(lane.seq)
+                    and self._applies(r, ex.epoch) and self._arm(r, lane.seq, rt)):
+                return
 
     def on_token(self, ex: Executor, lane: Lane, rt: FaultRuntime) -> int | None:
         """The lane is about to take its K-th generated token: what a token
@@ -280,7 +304,7 @@ class FaultSchedule:
             if r.op != kind or not self._applies(r, ex.epoch):
                 continue
             r.seen += 1
-            if r.seen != r.n:
+            if r.seen < r.n:  # then the next `times` ops of the kind
                 continue
             r.fired += 1
             rt.fired(r.kind)

@@ -208,8 +208,7 @@ def _fault_ops(ex: Executor) -> None:
 def _install_faults(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
     _fault_ops(ex)
     schedule = faults.parse_schedule(_field(msg, "rules", list), msg.get("seed", 0))
-    ex.install_faults(None)  # what the old rules armed goes with them
-    ex.install_faults(schedule)
+    ex.install_faults(schedule)  # what the old rules armed goes with them
     return 0, len(schedule), b""
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from superfluid.abi import Finish, Sampling
+from superfluid.engine.fault_runtime import InjectedCapacity
 from superfluid.engine.runtime import CapacityError, FatalError, Feed, RuntimeFailure, row_finite
 from superfluid.executor.decode import lane_fault
 from superfluid.executor.tick_state import TickState
@@ -143,6 +144,9 @@ class SpecPhase(TickState):
         feeds = [Feed(ex.lanes[tag].seq, [tok, *drafts.get(tag, ())], True) for tag, tok in chunk]
         try:
             got = self.rt.step_rows(feeds)
+        except InjectedCapacity as e:  # a fault schedule's: the lanes fault as on a plain step
+            self.step_failed(e, tags, "a draft verification", r.remaining)
+            return
         except CapacityError:
             # The pool had less room than counted (a copy-on-write, say): the same
             # round without drafts, which the memory check made room for.

@@ -159,6 +159,8 @@ class RetirePhase(TickState):
                 continue
             lane = ex.lanes.pop(tag)
             ex.lanes.injected.pop(tag, None)
+            if ex.fault_rt is not None:  # a NaN armed for its next row stays with the lane, not its cells
+                ex.fault_rt.disarm(lane.seq)
             if lane.grammar_handle:
                 ex.registry.grammars.give_back(lane.grammar_handle, tag)
             if publish and tag in unpublish:
@@ -253,12 +255,17 @@ class Tick(AdmitPhase, DecodePhase, ReplayPhase, SpecPhase, FaultPhase, RetirePh
         self.retire(pairs, self.verdict.unpublish)
 
     def commits(self) -> None:
+        ex = self.ex
+        nan = ex.faults is not None and ex.faults.tokens and ex.fault_rt is not None
         for c in self.plan.commits:
-            lane = self.ex.lanes[c.lane_tag]
+            lane = ex.lanes[c.lane_tag]
             lane.committed.append(c.token_id)
             lane.pending_input = c.token_id
             lane.pending_row = None
             lane.rng_counter += 1
+            if nan:  # a HOST lane's token K-1 came now: a nan rule for its K-th row arms
+                assert ex.faults is not None and ex.fault_rt is not None
+                ex.faults.arm_nan(ex, lane, ex.fault_rt)
 
     def _shed_chunk(self, tag: int, tokens: int, reason: int) -> None:
         self.chunks_dropped += 1

@@ -104,8 +104,11 @@ def test_a_schedule_file_runs_at_every_start(baseline, tmp_path):
 def test_the_watchdog_restarts_a_stalled_worker(baseline):
     d, t = start(f"fsw{os.getpid()}", tick_timeout=1.5)
     try:
-        with Client.connect(d.name, 0, timeout=120):
-            time.sleep(2.5)  # an idle worker, its planner silent: not a stall
+        with Client.connect(d.name, 0, timeout=120) as c:
+            t_end = time.monotonic() + 2.5
+            while time.monotonic() < t_end:  # an idle worker, its planner silent: not a stall,
+                c.seg.counters.heartbeat_ns = 1  # whatever the planner writes in the header
+                time.sleep(0.01)
         assert d.snapshot()[0]["epoch"] == 1 and not d.counters.exits()
         t0 = time.monotonic()
         got, p = run(d.name, install([{"when": {"tick": 3}, "what": {"stall_ms": 60_000, "during": "decode"}}]))

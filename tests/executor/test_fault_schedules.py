@@ -170,6 +170,8 @@ BAD = [
     ({"rules": [{"when": {"tick": 1}, "what": {"slow_ms": 5}}]}, "'rules[0].what.ticks'"),
     ({"rules": [{"when": {"tick": 1}, "what": {"fault": 2}, "times": 0}]}, "'rules[0].times'"),
     ({"rules": [], "seed": -1}, "'seed'"),
+    ({"rules": [{"when": {"tick": 1}, "what": {"fault": "DETAIL_INJECTED"}}]}, "'rules[0].what.fault'"),
+    ({"rules": [{"when": {"tick": 1}, "what": {"fault": 1 << 63}}]}, "'rules[0].what.fault'"),
 ]
 
 
@@ -216,3 +218,22 @@ def test_emits_carry_on_after_an_injected_fault(checkpoints):
     admit_and_prefill(ex, 1, TAG, PROMPT, decode=3)
     r = admit_and_prefill(ex, 2, 9, PROMPT, decode=3)
     assert emit_of(r, 9).n_tokens == 3
+
+
+def test_inject_fault_takes_only_fault_codes():
+    """The detail's injected bit is not a code (it would not fit LaneFault.code)."""
+    ex = make_executor(fake(eos_rate=0.0), fault_injection=True)
+    admit_and_prefill(ex, 1, TAG, PROMPT, decode=1)
+    done = ex.op({"op": "INJECT_FAULT", "lane_tag": TAG, "code": INJECTED})
+    assert done.status == OpStatus.BadRequest and "'code'" in msgpack.unpackb(done.payload)["error"]
+
+
+def test_a_nan_armed_for_a_retired_lane_stays_with_it():
+    """A publishing retire keeps the lane's cells as a cache entry: a NaN
+    armed for the lane's next row must not poison the entry's sequence."""
+    ex = make_executor(fake(eos_rate=0.0), fault_injection=True)
+    ex.op({"op": "INSTALL_FAULTS", "rules": [{"when": {"token": 3, "lane": TAG}, "what": {"nan": True}}]})
+    admit_and_prefill(ex, 1, TAG, PROMPT, decode=2)  # token 2 taken: token 3's row is armed
+    assert ex.fault_rt.nan_seqs
+    assert ex.tick(PlanBuilder(2).retire(TAG, publish_to_cache=True).build()).ok
+    assert not ex.fault_rt.nan_seqs and ex.faults.listing()["rules"][0]["fired"] == 0
