@@ -304,7 +304,8 @@ extern "C" {
  *   ticks: T} (every step of the next T accepted ticks takes S ms longer), {nan: true} (the lane's
  *   next logits row is NaN: its sampler faults it NUMERIC). A token rule's phase is decode; an op
  *   rule takes only fatal or stall_ms (the op fails or sleeps). times u32 >= 1: how often the rule
- *   fires (default 1; a chance rule without it: every time it draws). Every fault a rule causes is
+ *   fires (default 1; a chance rule without it: every time it draws; an op rule fires at the nth op
+ *   and the times - 1 after it; a tick rule fires once and takes no times). Every fault a rule causes is
  *   reported as the real one is, with SF_FAULT_DETAIL_INJECTED in a LaneFault's detail; counted in
  *   the worker's faults_injected metric. value = rules installed. BadRequest naming the field
  *   (e.g. "rules[1].when.token"); Refused: no fault injection.
