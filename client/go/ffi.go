@@ -14,7 +14,10 @@ package superfluid
 */
 import "C"
 
-import "unsafe"
+import (
+	"strings"
+	"unsafe"
+)
 
 // The header's names of its constants, from sf_ring.c as in every language:
 // "RejectBudget", "UnknownHandle", "READY", "EVENTS", "LEASE_SEED"...;
@@ -48,6 +51,31 @@ func ConnectName(v int) string {
 		return "FILE"
 	}
 	return "unknown"
+}
+
+// faultNames are the SF_FAULT_* codes' names (the header has no function for them).
+var faultNames = map[uint32]string{
+	SF_FAULT_OOM_TENTATIVE: "OOM_TENTATIVE", SF_FAULT_INTERNAL: "INTERNAL",
+	SF_FAULT_GRAMMAR_OVERFLOW: "GRAMMAR_OVERFLOW", SF_FAULT_REF_SPAN_OOB: "REF_SPAN_OOB",
+	SF_FAULT_INJECTED: "INJECTED", SF_FAULT_NUMERIC: "NUMERIC",
+}
+
+// FaultName names an SF_FAULT_* code ("unknown" for none of them).
+func FaultName(code uint32) string {
+	if n, ok := faultNames[code]; ok {
+		return n
+	}
+	return "unknown"
+}
+
+// FaultCode is the code of a fault's name, any case ("numeric": SF_FAULT_NUMERIC).
+func FaultCode(name string) (uint32, bool) {
+	for code, n := range faultNames {
+		if strings.EqualFold(n, name) {
+			return code, true
+		}
+	}
+	return 0, false
 }
 
 // views are the process-local QueueView/RingView of one mapping, in C
