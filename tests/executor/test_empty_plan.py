@@ -187,7 +187,7 @@ def test_tick_empty_declines_without_changing_anything():
 
 
 def test_worker_answers_an_empty_plan_as_the_general_path(seg_name):
-    from superfluid.daemon.metrics import WorkerMetrics
+    from superfluid.daemon.metrics import _AT, WorkerMetrics
     from superfluid.daemon.segment_rings import SegmentRings
     from superfluid.daemon.worker_loop import Worker
     from superfluid.engine.fake import FakeRuntime
@@ -212,6 +212,9 @@ def test_worker_answers_an_empty_plan_as_the_general_path(seg_name):
             assert bytes(again) == raw
             metrics[1].tick(decode_plan(_plan(seq)), ev)  # what the general path tells metrics
         assert w.ex.counters.last_plan_seq == 3 and w.ex.counters.tick_count == 3
+        beat = _AT["heartbeat_ns"]  # the watchdog's: stamped as the worker takes a plan (a clock, not a count)
+        assert metrics[0].heartbeat() > 0
+        metrics[0]._w[beat] = 0
         assert list(metrics[0]._w) == list(metrics[1]._w)
         assert metrics[0]._w != [0] * len(metrics[0]._w)  # (negative control: something was counted)
     finally:
