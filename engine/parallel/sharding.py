@@ -14,11 +14,14 @@ heads read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+import torch
 
 from superfluid.engine.config import ModelConfig
 
-__all__ = ["MAX_PARTS", "MAX_TP", "Shard", "TpError", "kv_block_heads", "reduction_parts", "vocab_blocks",
-           "vocab_ranges"]
+__all__ = ["MAX_PARTS", "MAX_TP", "Shard", "TpError", "gather_vocab", "kv_block_heads", "reduction_parts",
+           "vocab_blocks", "vocab_ranges"]
 
 # The pieces a row-parallel layer reduces in: more pieces allow higher degrees
 # and cost TP=1 a little (pieces of fewer inputs, one more add each).
@@ -127,3 +130,16 @@ class Shard:
         if leaf == ["down_proj", "weight"]:
             return "cols", self.inter
         return None  # norms, o/down biases (added once, after the pieces)
+
+
+def gather_vocab(logits: torch.Tensor, ranges: list[range], rank: int,
+                 all_gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """The whole rows [rows, vocab] on rank 0 from every rank's columns of
+    its vocabulary range (padded to one width for the all-gather); None elsewhere."""
+    width = max(len(r) for r in ranges)
+    if logits.shape[1] < width:
+        logits = torch.cat([logits, logits.new_zeros((logits.shape[0], width - logits.shape[1]))], 1)
+    every = all_gather(logits.contiguous())  # [world, rows, width]
+    if rank != 0:
+        return None
+    return torch.cat([every[r, :, :len(v)] for r, v in enumerate(ranges)], 1)

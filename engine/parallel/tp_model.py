@@ -22,7 +22,7 @@ import torch
 from superfluid.engine.config import ModelConfig
 from superfluid.engine.model import Layer
 from superfluid.engine.parallel.group import Group, bits_gather
-from superfluid.engine.parallel.sharding import Shard, vocab_ranges
+from superfluid.engine.parallel.sharding import Shard, gather_vocab, vocab_ranges
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import heads_major
 from superfluid.kernels.backend import CpuBackend
@@ -210,10 +210,4 @@ class TpModel:
         """The leader's whole rows from every rank's vocabulary columns."""
         if self.shard.world == 1:
             return logits
-        width = max(len(r) for r in self.vocab)
-        if logits.shape[1] < width:
-            logits = torch.cat([logits, logits.new_zeros((logits.shape[0], width - logits.shape[1]))], 1)
-        every = self.all_gather(logits.contiguous())  # [world, rows, width]
-        if self.group.rank != 0:
-            return None
-        return torch.cat([every[r, :, :len(v)] for r, v in enumerate(self.vocab)], 1)
+        return gather_vocab(logits, self.vocab, self.group.rank, self.all_gather)

@@ -21,7 +21,7 @@ import torch
 from superfluid.engine.blocked import BlockedModel
 from superfluid.engine.config import ModelConfig
 from superfluid.engine.parallel.group import Group, bits_gather
-from superfluid.engine.parallel.sharding import Shard, vocab_ranges
+from superfluid.engine.parallel.sharding import Shard, gather_vocab, vocab_ranges
 from superfluid.engine.parallel.tp_model import TpStats
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import batch_of_layout
@@ -125,10 +125,4 @@ class TpTorchModel(BlockedModel):
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.shard.world == 1:
             return logits
-        width = max(len(r) for r in self.vocab_of)
-        if logits.shape[1] < width:
-            logits = torch.cat([logits, logits.new_zeros((logits.shape[0], width - logits.shape[1]))], 1)
-        every = self.all_gather(logits.contiguous())  # [world, rows, width]
-        if self.group.rank != 0:
-            return None
-        return torch.cat([every[r, :, :len(v)] for r, v in enumerate(self.vocab_of)], 1)
+        return gather_vocab(logits, self.vocab_of, self.group.rank, self.all_gather)
