@@ -118,7 +118,7 @@ class FakeRuntime(FaultInjection, Runtime):
             copy_shares_cells = not exact_only  # a recurrent state has no pages to share
         self._sampling = _host_sampling() if engine_sampling and engine_draws else None
         self.desc = RuntimeDescription(
-            runtime_id="fake",
+            runtime_id="fake", numeric_class="fake",
             vocab_size=vocab_size,
             max_seq_len=max_seq_len,
             max_batch=max_batch,

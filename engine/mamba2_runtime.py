@@ -98,7 +98,11 @@ class Mamba2Runtime(Runtime):
             max_batch=max_batch, max_seqs=min(max_seqs or slots, slots), page=self.PAGE,
             truncate_partial=False,
             copy_shares_cells=False, takeover_preferred=False, prefill_step_tokens=prefill_step_tokens,
-            engine_sampling=False, engine_draws=False, verify_batches=False, exact_only=True)
+            engine_sampling=False, engine_draws=False, verify_batches=False, exact_only=True,
+            # the scan is torch's or Triton's on every path: no promise across machines
+            numeric_class=f"mamba2-{backend}-{dev.type}-fp32",
+            isa=(torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                 else str(torch.backends.cpu.get_cpu_capability()).lower()))
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(int(e) for e in eos), dict(specials or {}))
         self._tokenizer_json = tokenizer_json
         pages = -(-max_seq_len // self.PAGE)

@@ -56,6 +56,8 @@ class Model:
         self.backend = backend
         self.device = torch.device(device)
         self.dtype = dtype
+        # The weights are packed (or blocked) for this class below: it is fixed for the model's life.
+        self.numeric_class = backend.numeric_class(self.device, dtype)
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         cos, sin = rope_cos_sin(cfg, self.max_seq_len)
         self.cos = cos.to(self.device)

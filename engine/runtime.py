@@ -84,6 +84,11 @@ class RuntimeDescription:
     # nnodes machines. A lane's rows do not depend on them.
     tp: int = 1
     nnodes: int = 1
+    # DESCRIBE's `numeric` (not in the record either): the arithmetic's class
+    # (workers of one class give the same rows: kernels/cpu.py) and the ISA
+    # or device it runs on.
+    numeric_class: str = ""
+    isa: str = ""
 
     _FLAGS = (
         ("truncate_partial", RuntimeFlag.TRUNCATE_PARTIAL),

@@ -40,9 +40,10 @@ from superfluid.engine.runtime import (
     check_masks,
 )
 
-_EXPORT_MAGIC = b"SFKV"
-# magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 of the payload
-_EXPORT_HEAD = struct.Struct("<4sIIIIIIII")
+_EXPORT_MAGIC, _EXPORT_VERSION = b"SFKV", 2
+# magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 of the payload, the numeric
+# class the cells were computed in (v2: a worker of another class would not continue them bitwise)
+_EXPORT_HEAD = struct.Struct("<4sIIIIIIII24s")
 
 
 DEFAULT_KV_CELLS, DEFAULT_PAGE, DEFAULT_MAX_BATCH = 16384, 16, 64
@@ -66,7 +67,8 @@ class TransformerRuntime(Runtime):
             vocab_size=cfg.vocab_size, max_seq_len=model.max_seq_len, max_batch=max_batch, max_seqs=max_seqs,
             page=page, truncate_partial=True, copy_shares_cells=True, takeover_preferred=False,
             prefill_step_tokens=prefill_step_tokens, engine_sampling=True, engine_draws=True,
-            verify_batches=True, exact_only=False)
+            verify_batches=True, exact_only=False,
+            numeric_class=model.numeric_class, isa=model.backend.isa(model.device))
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(cfg.eos_token_ids), dict(specials or {}))
         self._tokenizer_json = tokenizer_json  # for grammars; None: none
         backend = model.backend
@@ -254,8 +256,9 @@ class TransformerRuntime(Runtime):
         k, v = self.pool.read_cells(s) if s.length else (torch.empty(0), torch.empty(0))
         dt = 0 if self.pool.k.dtype == torch.float32 else (1 if self.pool.k.dtype == torch.bfloat16 else 2)
         payload = _tensor_bytes(k) + _tensor_bytes(v)
-        head = _EXPORT_HEAD.pack(_EXPORT_MAGIC, 1, s.length, self.cfg.num_layers, self.cfg.num_kv_heads,
-                                 self.cfg.head_dim, dt, self.pool.page, zlib.crc32(payload))
+        head = _EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, s.length, self.cfg.num_layers,
+                                 self.cfg.num_kv_heads, self.cfg.head_dim, dt, self.pool.page, zlib.crc32(payload),
+                                 self.desc.numeric_class.encode())
         return head + payload
 
     def seq_import(self, seq: int, data: bytes) -> int:
@@ -266,11 +269,15 @@ class TransformerRuntime(Runtime):
             raise OutOfBounds(f"import into sequence {seq}, which holds {s.length} cells")
         if len(data) < _EXPORT_HEAD.size:
             raise OutOfBounds("an export blob shorter than its header")
-        magic, version, n, layers, kvh, hd, dt, _page, crc = _EXPORT_HEAD.unpack_from(data)
+        magic, version, n, layers, kvh, hd, dt, _page, crc, numeric = _EXPORT_HEAD.unpack_from(data)
         want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
-        if magic != _EXPORT_MAGIC or version != 1 or (layers, kvh, hd) != want:
+        if magic != _EXPORT_MAGIC or version != _EXPORT_VERSION or (layers, kvh, hd) != want:
             raise OutOfBounds(f"an export blob of another model or format ({magic!r} v{version}, "
-                              f"{layers}x{kvh}x{hd}, expected {want[0]}x{want[1]}x{want[2]})")
+                              f"{layers}x{kvh}x{hd}, expected v{_EXPORT_VERSION} {want[0]}x{want[1]}x{want[2]})")
+        theirs = numeric.rstrip(b"\0").decode("ascii", "replace")
+        if theirs != self.desc.numeric_class:
+            raise OutOfBounds(f"an export blob of numeric class {theirs!r}; this worker computes "
+                              f"{self.desc.numeric_class!r}, so its rows would not continue the blob's bitwise")
         dtype = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}.get(dt)
         if dtype is None:
             raise OutOfBounds(f"an export blob of unknown dtype {dt}")

@@ -100,6 +100,7 @@ def _describe(ex: Executor, msg: OpMessage) -> tuple[int, int, bytes]:
             "verify_batches": d.verify_batches, "exact_only": d.exact_only,
         },
         "parallel": {"tp": d.tp, "nnodes": d.nnodes},
+        "numeric": {"class": d.numeric_class, "isa": d.isa},
         "eos": sorted(voc.eos), "specials": dict(voc.specials),
         "fault_injection": ex.fault_injection,
     }

@@ -41,6 +41,18 @@ class Backend:
     def idle(self) -> None:
         """Nothing to run for a while: threads of the backend's own may sleep."""
 
+    def numeric_class(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The arithmetic a model on this backend does (DESCRIBE's `numeric`):
+        workers of one class give the same rows. Here: the library's own, which
+        can differ between machines (torch and Triton pick kernels by shape and CPU)."""
+        return f"{self.name}-{device.type}-{'fp32' if dtype == torch.float32 else str(dtype).removeprefix('torch.')}"
+
+    def isa(self, device: torch.device) -> str:
+        """What the arithmetic runs on: torch's CPU capability, or the GPU."""
+        if device.type == "cuda":
+            return torch.cuda.get_device_name(device)
+        return str(torch.backends.cpu.get_cpu_capability()).lower()
+
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_b: torch.Tensor | None, down: torch.Tensor,
             down_b: torch.Tensor | None) -> torch.Tensor:
         if self.invariant and type(self).swiglu is Backend.swiglu:
@@ -92,10 +104,17 @@ class CpuBackend(Backend):
         super().__init__(True)
         from superfluid.kernels import cpu
 
+        cpu.check_env()
         self.cpu = cpu
 
     def layout(self, feeds, page, q_per_kv, device):
         return self.cpu.step_layout(feeds, page)
+
+    def numeric_class(self, device: torch.device, dtype: torch.dtype) -> str:
+        return self.cpu.numeric_class(dtype)  # fp32, bf16-fma or bf16-dot: the same on any x86 CPU
+
+    def isa(self, device: torch.device) -> str:
+        return self.cpu.isa()
 
     def idle(self) -> None:
         self.cpu.park()

@@ -10,6 +10,7 @@ stay float32 whatever the weights' dtype (float32 or bfloat16).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -19,7 +20,14 @@ except ImportError:  # pragma: no cover - a build without the extension
     ffi = lib = None
 
 PANEL = 16
-ISA_NAMES = {0: "scalar", 1: "avx2+fma"}
+# The kernels' paths, lowest first (sf_cpu.h's SF_ISA_*).
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-bf16"}
+ISA_LEVELS = {name: level for level, name in ISA_NAMES.items()}
+# What the CPU offers (SF_FEAT_*), whether a kernel uses it or not.
+FEATURE_NAMES = {1: "avx2+fma", 2: "avx512f/dq/bw/vl", 4: "avx512-bf16", 8: "amx-bf16", 16: "amx-permitted"}
+# The bf16 numeric classes (module doc); float32 weights have one, "fp32".
+BF16_CLASSES = ("bf16-fma", "bf16-dot")
+ISA_ENV, BF16_ENV = "SUPERFLUID_ISA", "SUPERFLUID_BF16_CLASS"
 
 
 def available() -> bool:
@@ -27,14 +35,88 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The ISA the kernels run on here."""
+    """The path the kernels run on here, now."""
     return ISA_NAMES[lib.sf_cpu_isa()] if lib is not None else "unavailable"
 
 
-def force_isa(level: int | None) -> None:
-    """Run on a lower ISA (0: scalar) until reset with None: for tests that
-    every path gives the same bits."""
-    lib.sf_cpu_force_isa(-1 if level is None else level)
+def best_isa() -> str:
+    """The highest path this CPU (and its OS) allows."""
+    return ISA_NAMES[lib.sf_cpu_isa_max()] if lib is not None else "unavailable"
+
+
+def features() -> list[str]:
+    """The CPU's features the kernels look for (cpuid and XCR0)."""
+    bits = lib.sf_cpu_features() if lib is not None else 0
+    return [name for bit, name in FEATURE_NAMES.items() if bits & bit]
+
+
+def force_isa(level: int | str | None) -> None:
+    """Run on a lower path (a level or a name of ISA_NAMES) until reset with
+    None: SUPERFLUID_ISA, `bench engine --isa`, and tests that the paths
+    give the same bits. A path above the CPU's is refused."""
+    if level is None:
+        lib.sf_cpu_force_isa(-1)
+        return
+    lvl = parse_isa(level) if isinstance(level, str) else level
+    if not 0 <= lvl <= lib.sf_cpu_isa_max():
+        raise ValueError(f"ISA path {ISA_NAMES.get(lvl, lvl)!r} is above this CPU's best, {best_isa()!r} "
+                         f"(its features: {', '.join(features()) or 'none'})")
+    lib.sf_cpu_force_isa(lvl)
+
+
+def parse_isa(name: str) -> int:
+    key = name.strip().lower().replace("_", "-")
+    key = {"avx2+fma": "avx2", "avx512bf16": "avx512-bf16", "avx512f": "avx512"}.get(key, key)
+    if key not in ISA_LEVELS:
+        raise ValueError(f"unknown ISA path {name!r}; known: {', '.join(ISA_LEVELS)}")
+    return ISA_LEVELS[key]
+
+
+_bf16_class: str | None = None  # None: follow the path (bf16-dot where vdpbf16ps runs)
+
+
+def bf16_class() -> str:
+    """The numeric class bf16 weights packed now get: "bf16-dot" (activations
+    rounded to bf16, pairs of products added as vdpbf16ps does) or
+    "bf16-fma" (activations float32, weights widened, one fma chain). Within
+    a class every path gives the same bits; between classes rows differ."""
+    if _bf16_class is not None:
+        return _bf16_class
+    return "bf16-dot" if lib is not None and lib.sf_cpu_isa() >= ISA_LEVELS["avx512-bf16"] else "bf16-fma"
+
+
+def set_bf16_class(name: str | None) -> None:
+    """Pin the class bf16 weights are packed in from now on (None: follow the
+    path). "bf16-dot" runs on any CPU (by fma where vdpbf16ps is missing,
+    slower), so workers on different machines can share one class."""
+    global _bf16_class
+    if name is not None and name not in BF16_CLASSES:
+        raise ValueError(f"unknown bf16 numeric class {name!r}; known: {', '.join(BF16_CLASSES)}")
+    _bf16_class = name
+
+
+def numeric_class(dtype: torch.dtype) -> str:
+    """The numeric class of a model whose linears are `dtype`, on this
+    process's kernels: rows agree bitwise between workers of one class."""
+    return "fp32" if dtype == torch.float32 else bf16_class()
+
+
+def configure_from_env(env: dict[str, str] | None = None) -> None:
+    """SUPERFLUID_ISA (a lower path for the process) and SUPERFLUID_BF16_CLASS;
+    ValueError naming the variable when either is not one we know."""
+    env = dict(os.environ) if env is None else env
+    raw = env.get(ISA_ENV, "").strip()
+    if raw and lib is not None:
+        try:
+            force_isa(parse_isa(raw))
+        except ValueError as e:
+            raise ValueError(f"{ISA_ENV}={raw}: {e}") from None
+    raw = env.get(BF16_ENV, "").strip()
+    if raw:
+        try:
+            set_bf16_class(raw)
+        except ValueError as e:
+            raise ValueError(f"{BF16_ENV}={raw}: {e}") from None
 
 
 _threads_set: int | None = None
@@ -144,6 +226,11 @@ class Packed:
     inp: int
     bias: torch.Tensor | None  # float32 [out]
     parts: int = 1  # pieces the reduction is split into (pack_parts)
+    wtype: int = 0  # sf_linear's: 0 float32, 1 bf16, 2 bf16 in pairs (the bf16-dot class)
+
+    @property
+    def numeric_class(self) -> str:
+        return ("fp32", "bf16-fma", "bf16-dot")[self.wtype]
 
     @property
     def nbytes(self) -> int:
@@ -151,27 +238,50 @@ class Packed:
         return self.w.numel() * self.w.element_size() + b
 
 
-def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
-    if w.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"pack: weights must be float32 or bfloat16, not {w.dtype}")
+def _pack_w(w: torch.Tensor, pairs: bool) -> torch.Tensor:
     out, inp = w.shape
     pad = (-out) % PANEL
     wp = torch.cat([w, w.new_zeros(pad, inp)]) if pad else w
-    wp = wp.reshape(-1, PANEL, inp).transpose(1, 2).contiguous()
-    return Packed(wp, out, inp, None if bias is None else bias.float().contiguous())
+    if not pairs:  # [panels, in, PANEL]
+        return wp.reshape(-1, PANEL, inp).transpose(1, 2).contiguous()
+    if inp % 2:  # a zero step: x's pad is zero too
+        wp = torch.cat([wp, wp.new_zeros(wp.shape[0], 1)], 1)
+    # [panels, in / 2, PANEL, 2]: steps 2i and 2i+1 of an output side by side
+    return wp.reshape(-1, PANEL, wp.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
-def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None) -> Packed:
+def _wtype(w: torch.Tensor, numeric: str | None) -> int:
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack: weights must be float32 or bfloat16, not {w.dtype}")
+    if w.dtype == torch.float32:
+        return 0
+    cls = numeric or bf16_class()
+    if cls not in BF16_CLASSES:
+        raise ValueError(f"pack: unknown bf16 numeric class {cls!r}")
+    return 2 if cls == "bf16-dot" else 1
+
+
+def pack(w: torch.Tensor, bias: torch.Tensor | None = None, *, numeric: str | None = None) -> Packed:
+    """w [out, in] packed for sf_linear; bf16 weights in `numeric`'s layout
+    (default: this process's bf16_class())."""
+    wtype = _wtype(w, numeric)
+    out, inp = w.shape
+    return Packed(_pack_w(w, wtype == 2), out, inp, None if bias is None else bias.float().contiguous(), 1, wtype)
+
+
+def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None, *,
+               numeric: str | None = None) -> Packed:
     """A weight [out, in] whose reduction runs as `parts` pieces of in / parts
     inputs (linear_parts, then combine): each piece packed as `pack` does,
     one after another."""
+    wtype = _wtype(w, numeric)
     out, inp = w.shape
     if parts < 1 or inp % parts:
         raise ValueError(f"pack_parts: {inp} inputs do not split into {parts} pieces")
     step = inp // parts
-    pieces = [pack(w[:, i * step:(i + 1) * step].contiguous()).w for i in range(parts)]
+    pieces = [_pack_w(w[:, i * step:(i + 1) * step].contiguous(), wtype == 2) for i in range(parts)]
     return Packed(torch.cat(pieces).contiguous(), out, inp, None if bias is None else bias.float().contiguous(),
-                  parts)
+                  parts, wtype)
 
 
 @_profiled
@@ -187,7 +297,7 @@ def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual
     elif (out.dtype != torch.float32 or out.dim() != 2 or out.shape != (n, p.out) or out.stride(-1) != 1
           or out.device.type != "cpu"):
         raise ValueError(f"linear: out must be float32 [{n}, {p.out}] with unit stride")
-    _check(lib.sf_linear(_f(x), x.stride(0), n, p.inp, _v(p.w), int(p.w.dtype == torch.bfloat16), p.out,
+    _check(lib.sf_linear(_f(x), x.stride(0), n, p.inp, _v(p.w), p.wtype, p.out,
                          _f(p.bias), _f(out), out.stride(0), int(residual), _threads()), "sf_linear")
     return out
 
@@ -200,7 +310,7 @@ def linear_parts(x: torch.Tensor, p: Packed) -> torch.Tensor:
     n = x.shape[0]
     y = x.new_empty((p.parts, n, p.out))
     _check(lib.sf_linear_parts(_f(x), x.stride(0), n, p.inp // p.parts, p.parts, _v(p.w),
-                               int(p.w.dtype == torch.bfloat16), p.out, _f(y), _threads()), "sf_linear_parts")
+                               p.wtype, p.out, _f(y), _threads()), "sf_linear_parts")
     return y
 
 
@@ -317,3 +427,21 @@ def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_poo
                             int(k_pool.dtype == torch.bfloat16), head_stride, layout.page, scale, _f(out),
                             out.stride(0), _threads()), "sf_attention")
     return out
+
+
+# SUPERFLUID_ISA and SUPERFLUID_BF16_CLASS hold for the whole process, from
+# its first import of the kernels. A bad value is kept here rather than
+# raised at import: `serve` refuses with it (exit 2) and a model will not load.
+ENV_ERROR: str | None = None
+if lib is not None:
+    try:
+        configure_from_env()
+    except ValueError as _e:
+        ENV_ERROR = str(_e)
+
+
+def check_env() -> None:
+    """ValueError naming the variable when SUPERFLUID_ISA or
+    SUPERFLUID_BF16_CLASS was not one we know."""
+    if ENV_ERROR:
+        raise ValueError(ENV_ERROR)

@@ -25,9 +25,9 @@ class Stack:
         self._keep: list = []
         self.shape = (hidden, n_heads, n_kv, head_dim, inter)
         self.layers = ffi.new("sf_layer[]", len(layers))
-        bf16 = {L.qkv.w.dtype == torch.bfloat16 for L in layers}
-        if len(bf16) > 1:
-            raise ValueError("Stack: every layer's weights must share one dtype")
+        wtypes = {getattr(L, name).wtype for L in layers for name in ("qkv", "o", "gate_up", "down")}
+        if len(wtypes) > 1:
+            raise ValueError("Stack: every layer's weights must share one dtype and numeric class")
         for c, L in zip(self.layers, layers):
             for name in ("qkv", "o", "gate_up", "down"):
                 lin = getattr(L, name)
@@ -44,7 +44,7 @@ class Stack:
         self.parts = layers[0].o.parts if layers else 1
         self.model = ffi.new("sf_model *", dict(
             n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
-            bf16=int(bf16 == {True}), eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
+            wtype=wtypes.pop() if wtypes else 0, eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
         self._pool = None
         self.comm_s = 0.0
 

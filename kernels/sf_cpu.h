@@ -16,22 +16,36 @@ typedef struct {
 } sf_layer;
 
 /* parts: the pieces o and down reduce over (sf_linear_parts); their weights
- * are packed piece after piece. */
+ * are packed piece after piece. wtype: the linears' packing (sf_linear's). */
 typedef struct {
-    int n_layers, hidden, nh, nkv, hd, inter, parts, bf16, kv_bf16, page;
+    int n_layers, hidden, nh, nkv, hd, inter, parts, wtype, kv_bf16, page;
     long head_stride;
     float eps, scale;
     const float *cos, *sin;
     const sf_layer *layers;
 } sf_model;
 
+/* Kernel paths, lowest first (sf_cpu_isa: the one running), and what the
+ * CPU offers (sf_cpu_features). */
+enum { SF_ISA_SCALAR = 0, SF_ISA_AVX2 = 1, SF_ISA_AVX512 = 2, SF_ISA_AVX512_BF16 = 3 };
+enum {
+    SF_FEAT_AVX2 = 1,          /* AVX2 and FMA */
+    SF_FEAT_AVX512 = 2,        /* AVX-512 F, DQ, BW and VL */
+    SF_FEAT_AVX512_BF16 = 4,   /* vdpbf16ps */
+    SF_FEAT_AMX_BF16 = 8,      /* AMX tiles with bf16 (no kernel uses them yet) */
+    SF_FEAT_AMX_PERMITTED = 16 /* the OS granted this process the tile state */
+};
 int sf_cpu_isa(void);
+int sf_cpu_isa_max(void);
+unsigned sf_cpu_features(void);
 void sf_cpu_force_isa(int isa);
 /* The pool's helpers sleep now rather than spin for a next job (sf_pool.c). */
 void sf_pool_park(void);
-int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
+/* wtype: how w is packed, 0 float32, 1 bf16, 2 bf16 in pairs (the bf16
+ * dot class; sf_gemm.h says each layout). */
+int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads);
-int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int bf16, int out, float *y,
+int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,
                     int nthreads);
 int sf_combine(const float *parts, int g, int n, int out, const float *bias, float *y, long ldy, int nthreads);
 int sf_rmsnorm(const float *x, long ldx, int n, int d, const float *w, float eps, float *y, long ldy,

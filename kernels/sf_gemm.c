@@ -1,42 +1,8 @@
-/* sf_linear: y = x W.T (+ b) (+ y), W packed in 16-output panels. */
-#include "sf_cpu.h"
-#include "sf_internal.h"
+/* sf_linear: y = x W.T (+ b) (+ y), W packed in 16-output panels: the
+ * entry points, and the AVX2 and scalar paths of float32 and bf16 weights. */
+#include "sf_gemm.h"
 
 #include <stdlib.h>
-
-#define PANEL 16 /* output features per packed panel */
-#define TILE_T 6 /* tokens per micro tile */
-#define BLOCK_T 96 /* tokens per cache block (a multiple of TILE_T) */
-#define BLOCK_K 256 /* reduction steps per cache block */
-
-/* ---------------------------------------------------------------- GEMM */
-
-/* y[t, o] = (sum_k x[t, k] * W[o, k]) (+ bias[o]) (+ y[t, o] when resid).
- * W is packed [ceil(out / PANEL)][K][PANEL] (rows past out are zeros). */
-typedef struct {
-    const float *x;
-    long ldx;
-    int n, K, out;
-    const void *w;
-    int bf16;
-    const float *bias;
-    float *y;
-    long ldy;
-    int resid;
-} gemm_args;
-
-static void epilogue(const gemm_args *a, const float *acc, int t0, int nt, int o0) {
-    int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
-    for (int t = 0; t < nt; t++) {
-        float *y = a->y + (long)(t0 + t) * a->ldy + o0;
-        for (int i = 0; i < m; i++) {
-            float v = acc[t * PANEL + i];
-            if (a->bias) v = v + a->bias[o0 + i];
-            if (a->resid) v = y[i] + v;
-            y[i] = v;
-        }
-    }
-}
 
 static void tile_scalar(const void *w, int bf16, const float *x, long ldx, int nt, int kn, float *acc) {
     for (int t = 0; t < nt; t++) {
@@ -120,35 +86,16 @@ typedef void (*tile_fn)(const void *, const float *, long, int, float *);
 static const tile_fn TILES[2][TILE_T + 1] = {{0, tf1, tf2, tf3, tf4, tf5, tf6}, {0, tb1, tb2, tb3, tb4, tb5, tb6}};
 #endif
 
-#define PANELS_PER_TASK 4
-
-typedef struct {
-    gemm_args a;
-    int panels, chunks, per, isa; /* per: panels a task */
-    long blocks; /* token blocks */
-    long wpart; /* weight elements of one reduction part (sf_linear_parts) */
-} linear_job;
-
-/* Task: a block of BLOCK_T tokens x `per` panels (of one reduction part:
- * part p reads x's columns [p K, (p + 1) K) and writes y + p n ldy). */
+/* Task: a block of BLOCK_T tokens x `per` panels of one reduction part. */
 static void linear_task(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
-    long per_part = j->blocks * j->chunks, part = task / per_part;
-    gemm_args pa = j->a;
+    gemm_args pa;
     const gemm_args *a = &pa;
-    task %= per_part;
-    if (part) {
-        pa.x += part * pa.K;
-        pa.w = pa.bf16 ? (const void *)((const uint16_t *)pa.w + part * j->wpart)
-                       : (const void *)((const float *)pa.w + part * j->wpart);
-        pa.y += part * (long)pa.n * pa.ldy;
-    }
+    int b0, bn, p0, p1;
+    task_share(j, task, &pa, &b0, &bn, &p0, &p1);
     float acc[BLOCK_T * PANEL];
     float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
-    int b0 = (int)(task / j->chunks) * BLOCK_T, p0 = (int)(task % j->chunks) * j->per;
-    int bn = a->n - b0 < BLOCK_T ? a->n - b0 : BLOCK_T;
-    int p1 = p0 + j->per < j->panels ? p0 + j->per : j->panels;
-    int K = a->K, bf16 = a->bf16;
+    int K = a->K, bf16 = a->wtype == WT_BF16;
     for (int p = p0; p < p1; p++) {
         memset(acc, 0, sizeof(float) * bn * PANEL);
         for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
@@ -173,7 +120,7 @@ static void linear_task(const void *ctx, long task) {
                 tile_scalar(ws, bf16 && !wide, xs, a->ldx, tn, kn, acc + t0 * PANEL);
             }
         }
-        epilogue(a, acc, b0, bn, p * PANEL);
+        epilogue(a, acc, PANEL, b0, bn, p * PANEL);
     }
 }
 
@@ -182,16 +129,26 @@ static int run_linear(linear_job *j, int parts, int nthreads) {
     j->per = PANELS_PER_TASK;
     while (parts * j->blocks * ((j->panels + j->per - 1) / j->per) > MAX_TASKS) j->per *= 2; /* the task field */
     j->chunks = (j->panels + j->per - 1) / j->per;
-    sf_parallel(linear_task, j, parts * j->blocks * j->chunks, nthreads);
+    task_fn fn = j->a.wtype == WT_BF16_PAIRS ? linear_task_pairs
+                 : j->isa >= SF_ISA_AVX512   ? linear_task_avx512
+                                             : linear_task;
+    if (j->a.wtype == WT_BF16_PAIRS && pairs_prepare(j, parts, nthreads)) return -1;
+    sf_parallel(fn, j, parts * j->blocks * j->chunks, nthreads);
+    free(j->xb);
     return 0;
 }
 
-int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, int out, const float *bias,
+/* Weight elements a piece of K inputs takes, packed as wtype. */
+static long piece_elems(int panels, int K, int wtype) {
+    return wtype == WT_BF16_PAIRS ? (long)panels * ((K + 1) / 2) * 2 * PANEL : (long)panels * K * PANEL;
+}
+
+int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
-    if (K <= 0 || nthreads < 1) return -1;
-    linear_job j = {{x, ldx, n, K, out, w, bf16, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
-                    sf_cpu_isa(), 0, 0};
+    if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_PAIRS) return -1;
+    linear_job j = {{x, ldx, n, K, out, w, wtype, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, 0, NULL};
     return run_linear(&j, 1, nthreads);
 }
 
@@ -200,13 +157,13 @@ int sf_linear(const float *x, long ldx, int n, int K, const void *w, int bf16, i
  * piece after piece. A tensor-parallel rank computes its pieces with this
  * and every degree adds the same pieces in the same order (sf_combine), so
  * a row-parallel layer's bits do not depend on how many ranks split it. */
-int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int bf16, int out, float *y,
+int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,
                     int nthreads) {
     if (n <= 0 || out <= 0) return 0;
-    if (K <= 0 || parts < 1 || nthreads < 1) return -1;
-    linear_job j = {{x, ldx, n, K, out, w, bf16, NULL, y, out, 0}, (out + PANEL - 1) / PANEL, 0, 0,
-                    sf_cpu_isa(), 0, 0};
-    j.wpart = (long)j.panels * K * PANEL;
+    if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_PAIRS) return -1;
+    linear_job j = {{x, ldx, n, K, out, w, wtype, NULL, y, out, 0}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, 0, NULL};
+    j.wpart = piece_elems(j.panels, K, wtype);
     return run_linear(&j, parts, nthreads);
 }
 

@@ -9,22 +9,68 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static int g_isa = -1; /* 0 scalar, 1 avx2+fma */
-static int g_force = -1;
-
-int sf_cpu_isa(void) {
-    if (g_isa < 0) {
 #if SF_X86
-        __builtin_cpu_init();
-        g_isa = (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
-#else
-        g_isa = 0;
+#include <cpuid.h>
 #endif
-    }
-    return g_force >= 0 && g_force < g_isa ? g_force : g_isa;
+
+static int g_isa = -1; /* the best level this CPU and OS allow (SF_ISA_*) */
+static int g_force = -1;
+static unsigned g_features; /* SF_FEAT_* seen, whether or not a kernel uses them */
+
+#if SF_X86
+static uint64_t xcr0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
 }
 
-/* Run on a lower ISA (0: scalar), for tests that the paths agree; -1 resets. */
+/* CPUID and XCR0 (the OS saves the registers), not the compiler's view:
+ * the AVX-512 and AMX states must be enabled by the kernel, and AMX's tile
+ * data also needs this process's permission (arch_prctl), asked once. */
+static void detect(void) {
+    unsigned a, b, c, d, b7 = 0, c7 = 0, d7 = 0, a71 = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    int osxsave = (c >> 27) & 1, fma = (c >> 12) & 1;
+    if (__get_cpuid_count(7, 0, &a, &b7, &c7, &d7) && a >= 1) __get_cpuid_count(7, 1, &a71, &b, &c, &d);
+    uint64_t x = osxsave ? xcr0() : 0;
+    int ymm = (x & 6) == 6, zmm = ymm && (x & 0xe0) == 0xe0, tiles = (x & 0x60000) == 0x60000;
+    if (ymm && fma && ((b7 >> 5) & 1)) g_features |= SF_FEAT_AVX2;
+    /* F, DQ, BW, VL: what the kernels' intrinsics need */
+    if (zmm && (g_features & SF_FEAT_AVX2) && (b7 & 0xc0030000u) == 0xc0030000u) g_features |= SF_FEAT_AVX512;
+    if ((g_features & SF_FEAT_AVX512) && ((a71 >> 5) & 1)) g_features |= SF_FEAT_AVX512_BF16;
+    if (tiles && ((d7 >> 22) & 1) && ((d7 >> 24) & 1)) {
+        g_features |= SF_FEAT_AMX_BF16;
+        /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it a tile load faults */
+        if (syscall(SYS_arch_prctl, 0x1023, 18) == 0) g_features |= SF_FEAT_AMX_PERMITTED;
+    }
+}
+#endif
+
+int sf_cpu_isa_max(void) {
+    if (g_isa < 0) {
+#if SF_X86
+        detect();
+#endif
+        g_isa = (g_features & SF_FEAT_AVX512_BF16) ? SF_ISA_AVX512_BF16
+                : (g_features & SF_FEAT_AVX512)    ? SF_ISA_AVX512
+                : (g_features & SF_FEAT_AVX2)      ? SF_ISA_AVX2
+                                                   : SF_ISA_SCALAR;
+    }
+    return g_isa;
+}
+
+unsigned sf_cpu_features(void) {
+    sf_cpu_isa_max();
+    return g_features;
+}
+
+int sf_cpu_isa(void) {
+    int best = sf_cpu_isa_max();
+    return g_force >= 0 && g_force < best ? g_force : best;
+}
+
+/* Run on a lower level (SF_ISA_*), one choice for the process (the Python
+ * side reads SUPERFLUID_ISA) or for tests that the paths agree; -1 resets. */
 void sf_cpu_force_isa(int isa) { g_force = isa; }
 
 /* ------------------------------------------------------------ the pool

@@ -122,8 +122,9 @@ class GlooLink:
             raise GroupFault(f"gloo barrier: {e}") from e
         differ = [r for r in range(self.world) if not torch.equal(every[r], every[0])]
         if differ:
-            raise GroupFault(f"tp rank(s) {differ} loaded another checkpoint or options than rank 0 "
-                             f"(every rank must be given the same --model and runtime options)")
+            raise GroupFault(f"tp rank(s) {differ} loaded another checkpoint or options than rank 0, "
+                             f"or runs in another numeric class (every rank must be given the same --model and "
+                             f"runtime options, and SUPERFLUID_ISA / SUPERFLUID_BF16_CLASS giving one class)")
         self.steps.set_timeout(self.timeout)
         self.idle.set_timeout(IDLE_TIMEOUT)
 

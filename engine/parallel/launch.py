@@ -113,6 +113,11 @@ def digest(spec: RankSpec) -> bytes:
     mine = ("path", "rank", "leader_pid", "shm_path", "threads")  # ops, device: every rank the same
     same = {k: v for k, v in dataclasses.asdict(spec).items() if k not in mine}
     text = json.dumps(same, sort_keys=True) + read_text(os.path.join(spec.path, "config.json"))
+    if spec.ops == "c":
+        # The numeric class too: ranks on machines of other classes would add pieces that differ.
+        from superfluid.kernels import cpu
+
+        text += cpu.numeric_class(getattr(torch, spec.dtype))
     return hashlib.sha256(text.encode()).digest()
 
 

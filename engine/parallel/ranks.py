@@ -51,6 +51,7 @@ class LeaderModel:
     def __init__(self, tp: RankModel, close_group: Callable[[], None] | None = None):
         self.tp = tp
         self.cfg, self.backend, self.device, self.dtype = tp.cfg, tp.backend_view, tp.device, tp.dtype
+        self.numeric_class = tp.numeric_class
         self.max_seq_len = tp.max_seq_len
         self.group = tp.group
         self.outbox: list[Op] = []

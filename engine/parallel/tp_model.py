@@ -64,6 +64,7 @@ class TpModel:
         cpu = self.cpu = self.backend.cpu
         self.device = torch.device("cpu")
         self.dtype = dtype
+        self.numeric_class = self.backend.numeric_class(self.device, dtype)
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.plain_reduce = plain_reduce
         self.stats = TpStats()

@@ -43,6 +43,7 @@ class RankBackend:
         self.ops = backend
         self.name = backend.name
         self.heads_major_kv = backend.heads_major_kv
+        self.numeric_class, self.isa = backend.numeric_class, backend.isa
 
     def layout(self, feeds, page: int, q_per_kv: int, device) -> StepLayout:  # type: ignore[no-untyped-def]
         return step_layout(feeds, page)
@@ -71,6 +72,7 @@ class TpTorchModel(BlockedModel):
         self.stats = TpStats()
         self.backend_view = RankBackend(backend)
         self.heads_major_kv = backend.heads_major_kv
+        self.numeric_class = backend.numeric_class(device, dtype)
         self.vocab_of = vocab_ranges(cfg.vocab_size, shard.world, shard.parts)
         # Host copies for the collectives unless NCCL moves the device's tensors itself.
         self._host = device.type != "cpu" and group.transport != "nccl"

@@ -208,6 +208,13 @@ def test_a_size_the_machine_cannot_hold_is_refused_naming_its_option(args, named
     still_serves(healthy)
 
 
+@pytest.mark.parametrize("var,value", [("SUPERFLUID_ISA", "avx9"), ("SUPERFLUID_BF16_CLASS", "bf17")])
+def test_an_unknown_isa_or_numeric_class_is_refused_naming_the_variable(var, value, ckpt, seg_name, monkeypatch):
+    monkeypatch.setenv(var, value)
+    line = serve_refused(seg_name, "--model", str(ckpt))
+    assert f"{var}={value}" in line, line
+
+
 def _argparse_refusal(args: list[str]) -> str:
     r = subprocess.run(python("-m", "superfluid", "serve", *args), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr

@@ -55,7 +55,7 @@ def test_an_import_of_non_finite_values_is_refused(ckpt):
     head = _EXPORT_HEAD.unpack_from(blob)
     payload = np.frombuffer(blob[_EXPORT_HEAD.size:], dtype=np.float32).copy()
     payload[-1] = np.inf
-    bad = _EXPORT_HEAD.pack(*head[:-1], zlib.crc32(payload.tobytes())) + payload.tobytes()
+    bad = _EXPORT_HEAD.pack(*head[:8], zlib.crc32(payload.tobytes()), head[9]) + payload.tobytes()
     z = r.seq_create()
     used = r.mem_counters().cells_used
     with pytest.raises(OutOfBounds, match="non-finite"):
@@ -64,6 +64,22 @@ def test_an_import_of_non_finite_values_is_refused(ckpt):
     assert r.seq_import(z, blob) == 4  # negative control: the good blob goes in
     with pytest.raises(OutOfBounds):
         r.seq_import(r.seq_create(), None)
+
+
+def test_an_import_from_another_numeric_class_is_refused_by_name(ckpt):
+    r = _rt(ckpt)
+    assert r.desc.numeric_class == "fp32"
+    x = r.seq_create()
+    r.step([Feed(x, [1, 2, 3, 4])])
+    blob = r.seq_export(x)
+    head = _EXPORT_HEAD.unpack_from(blob)
+    assert head[9].rstrip(b"\0") == b"fp32"
+    other = _EXPORT_HEAD.pack(*head[:9], b"bf16-dot") + blob[_EXPORT_HEAD.size:]
+    z = r.seq_create()
+    with pytest.raises(OutOfBounds, match="numeric class 'bf16-dot'; this worker computes 'fp32'"):
+        r.seq_import(z, other)
+    assert r.seq_len(z) == 0
+    assert r.seq_import(z, blob) == 4  # negative control: its own class goes in
 
 
 @pytest.mark.parametrize("spec", [

@@ -69,6 +69,7 @@ def test_describe():
     assert body["specials"] == dict(rt.vocabulary().specials)
     assert set(body["specials"].values()) >= {3, 49}
     assert body["parallel"] == {"tp": 1, "nnodes": 1}  # one process: the fake's default layout
+    assert body["numeric"] == {"class": "fake", "isa": ""}
 
 
 @pytest.mark.parametrize(("tp", "nnodes"), [(2, 1), (8, 2)])

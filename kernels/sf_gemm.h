@@ -1,0 +1,82 @@
+/* What the GEMM's files share (sf_gemm.c: the AVX2 and scalar paths and
+ * the entry points; sf_gemm_wide.c: AVX-512 and the bf16 dot class).
+ * Private to kernels/sf_gemm*.c. */
+#ifndef SF_GEMM_H
+#define SF_GEMM_H
+
+#include "sf_cpu.h"
+#include "sf_internal.h"
+
+#define PANEL 16 /* output features per packed panel */
+#define TILE_T 6 /* tokens per AVX2 micro tile */
+#define BLOCK_T 96 /* tokens per cache block (a multiple of the tiles' heights) */
+#define BLOCK_K 256 /* reduction steps per cache block */
+#define PANELS_PER_TASK 4
+
+/* How a weight is packed (sf_linear's `wtype`):
+ *   F32, BF16: [ceil(out / PANEL)][K][PANEL], rows past out zero;
+ *   BF16_PAIRS: [ceil(out / PANEL)][ceil(K / 2)][PANEL][2], the reduction's
+ *     steps 2i and 2i+1 of an output side by side (K odd: a zero step
+ *     added), for the bf16 dot class (sf_gemm_wide.c). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_BF16_PAIRS = 2 };
+
+/* y[t, o] = (sum_k x[t, k] * W[o, k]) (+ bias[o]) (+ y[t, o] when resid). */
+typedef struct {
+    const float *x;
+    long ldx;
+    int n, K, out;
+    const void *w;
+    int wtype;
+    const float *bias;
+    float *y;
+    long ldy;
+    int resid;
+} gemm_args;
+
+typedef struct {
+    gemm_args a;
+    int panels, chunks, per, isa; /* per: panels a task */
+    long blocks; /* token blocks */
+    long wpart; /* weight elements of one reduction part (sf_linear_parts) */
+    uint32_t *xb; /* WT_BF16_PAIRS: x as bf16 pairs [parts][n][ceil(K / 2)] */
+} linear_job;
+
+/* A task's share: its part's arguments (part p reads x's columns [p K,
+ * (p + 1) K) and writes y + p n ldy), its token block and panel range. */
+static inline void task_share(const linear_job *j, long task, gemm_args *pa, int *b0, int *bn, int *p0,
+                              int *p1) {
+    long per_part = j->blocks * j->chunks, part = task / per_part;
+    *pa = j->a;
+    task %= per_part;
+    if (part) {
+        pa->x += part * pa->K;
+        pa->w = pa->wtype == WT_F32 ? (const void *)((const float *)pa->w + part * j->wpart)
+                                    : (const void *)((const uint16_t *)pa->w + part * j->wpart);
+        pa->y += part * (long)pa->n * pa->ldy;
+    }
+    *b0 = (int)(task / j->chunks) * BLOCK_T;
+    *bn = pa->n - *b0 < BLOCK_T ? pa->n - *b0 : BLOCK_T;
+    *p0 = (int)(task % j->chunks) * j->per;
+    *p1 = *p0 + j->per < j->panels ? *p0 + j->per : j->panels;
+}
+
+/* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y. */
+static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
+    int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
+    for (int t = 0; t < nt; t++) {
+        float *y = a->y + (long)(t0 + t) * a->ldy + o0;
+        for (int i = 0; i < m; i++) {
+            float v = acc[t * lda + i];
+            if (a->bias) v = v + a->bias[o0 + i];
+            if (a->resid) v = y[i] + v;
+            y[i] = v;
+        }
+    }
+}
+
+void linear_task_avx512(const void *ctx, long task);
+void linear_task_pairs(const void *ctx, long task);
+/* WT_BF16_PAIRS: j->xb allocated and filled from x (-1: no memory). */
+int pairs_prepare(linear_job *j, int parts, int nthreads);
+
+#endif

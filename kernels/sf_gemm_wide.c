@@ -1,0 +1,269 @@
+/* The GEMM's wider paths.
+ *
+ * AVX-512 (float32 and bf16 weights): a zmm holds a whole panel, so a tile
+ * covers two panels x up to TILE_W tokens. Each output is still one fma
+ * chain over k in order from the same start, then the same epilogue: the
+ * bits are the AVX2 path's (tests run both).
+ *
+ * The bf16 dot class (weights packed WT_BF16_PAIRS): the activations are
+ * rounded to bf16 (nearest even) and each output is, over the pairs of
+ * reduction steps i = 0, 1, ... in order,
+ *     acc = acc + x[2i+1] w[2i+1];  acc = acc + x[2i] w[2i]
+ * in float32 with denormals taken and given as zero: what vdpbf16ps does
+ * for a lane (the odd step first). A bf16 product is exact in float32, so
+ * an fma with MXCSR's FTZ and DAZ set does the same, and the AVX2 and
+ * scalar paths here compute this class too, more slowly: workers of the
+ * class agree on any x86 CPU. They differ from hardware only where a
+ * product overflows float32 (the row is not finite either way) or where
+ * denormal terms sum to a zero (its sign). */
+#include "sf_gemm.h"
+
+#include <stdlib.h>
+
+#define TILE_W 12 /* tokens per AVX-512 tile */
+#define BLOCK_K2 (BLOCK_K / 2) /* reduction pairs per cache block */
+#define GROUP 4 /* panels whose accumulators a dot task keeps at once */
+
+#if SF_X86
+#define T512 "avx512f,avx512dq,avx512bw,avx512vl"
+
+/* ------------------------------------------------- AVX-512, float chains */
+
+__attribute__((always_inline, target(T512))) static inline __m512 w16(const void *w, int bf16) {
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w)), 16));
+    return _mm512_loadu_ps(w);
+}
+
+/* T tokens x NP panels over k in [0, kn); acc [T][2 PANEL] holds the chains. */
+__attribute__((always_inline, target(T512))) static inline void tile512(const void *w0, const void *w1, int bf16,
+                                                                     int NP, int T, const float *x, long ldx,
+                                                                     int kn, float *acc) {
+    __m512 c0[TILE_W], c1[TILE_W];
+    long es = bf16 ? 2 : 4;
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++) {
+        c0[t] = _mm512_loadu_ps(acc + t * 2 * PANEL);
+        c1[t] = NP > 1 ? _mm512_loadu_ps(acc + t * 2 * PANEL + PANEL) : c0[t];
+    }
+    const char *a = (const char *)w0, *b = (const char *)w1;
+    for (int k = 0; k < kn; k++, a += PANEL * es, b += PANEL * es) {
+        if (T <= 2) _mm_prefetch(a + 64 * PANEL * es, _MM_HINT_T0); /* few tokens: memory-bound */
+        __m512 wa = w16(a, bf16), wb = NP > 1 ? w16(b, bf16) : wa;
+#pragma GCC unroll 12
+        for (int t = 0; t < T; t++) {
+            __m512 xb = _mm512_set1_ps(x[t * ldx + k]);
+            c0[t] = _mm512_fmadd_ps(wa, xb, c0[t]);
+            if (NP > 1) c1[t] = _mm512_fmadd_ps(wb, xb, c1[t]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++) {
+        _mm512_storeu_ps(acc + t * 2 * PANEL, c0[t]);
+        if (NP > 1) _mm512_storeu_ps(acc + t * 2 * PANEL + PANEL, c1[t]);
+    }
+}
+
+typedef void (*tile512_fn)(const void *, const void *, const float *, long, int, float *);
+#define DEF512(T, NP, BF)                                                                                     \
+    __attribute__((target(T512))) static void t512_##T##_##NP##_##BF(const void *w0, const void *w1,          \
+                                                                     const float *x, long ldx, int kn,        \
+                                                                     float *acc) {                            \
+        tile512(w0, w1, BF, NP, T, x, ldx, kn, acc);                                                          \
+    }
+#define DEF512_T(T) DEF512(T, 1, 0) DEF512(T, 2, 0) DEF512(T, 1, 1) DEF512(T, 2, 1)
+DEF512_T(1) DEF512_T(2) DEF512_T(3) DEF512_T(4) DEF512_T(5) DEF512_T(6)
+DEF512_T(7) DEF512_T(8) DEF512_T(9) DEF512_T(10) DEF512_T(11) DEF512_T(12)
+#define ROW512(NP, BF)                                                                                        \
+    {0, t512_1_##NP##_##BF, t512_2_##NP##_##BF, t512_3_##NP##_##BF, t512_4_##NP##_##BF, t512_5_##NP##_##BF,  \
+     t512_6_##NP##_##BF, t512_7_##NP##_##BF, t512_8_##NP##_##BF, t512_9_##NP##_##BF, t512_10_##NP##_##BF,    \
+     t512_11_##NP##_##BF, t512_12_##NP##_##BF}
+static const tile512_fn TILES512[2][2][TILE_W + 1] = {{ROW512(1, 0), ROW512(2, 0)}, {ROW512(1, 1), ROW512(2, 1)}};
+
+/* Task: a block of BLOCK_T tokens x `per` panels, two panels at a time. */
+void linear_task_avx512(const void *ctx, long task) {
+    const linear_job *j = (const linear_job *)ctx;
+    gemm_args a;
+    int b0, bn, p0, p1;
+    task_share(j, task, &a, &b0, &bn, &p0, &p1);
+    float acc[BLOCK_T * 2 * PANEL];
+    float wf[2][BLOCK_K * PANEL]; /* bf16 slices widened once for all their tiles (exact) */
+    int K = a.K, bf16 = a.wtype == WT_BF16, wide = bf16 && bn > 16;
+    for (int p = p0; p < p1; p += 2) {
+        int np = p1 - p < 2 ? 1 : 2;
+        memset(acc, 0, sizeof(float) * bn * 2 * PANEL);
+        for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
+            int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
+            const void *ws[2];
+            for (int i = 0; i < np; i++) {
+                long at = ((long)(p + i) * K + k0) * PANEL;
+                ws[i] = bf16 ? (const void *)((const uint16_t *)a.w + at) : (const void *)((const float *)a.w + at);
+                if (wide) {
+                    const uint16_t *src = (const uint16_t *)ws[i];
+                    for (int e = 0; e < kn * PANEL; e++) wf[i][e] = bf16_to_f32(src[e]);
+                    ws[i] = wf[i];
+                }
+            }
+            if (np == 1) ws[1] = ws[0];
+            for (int t0 = 0; t0 < bn; t0 += TILE_W) {
+                int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;
+                TILES512[bf16 && !wide][np - 1][tn](ws[0], ws[1], a.x + (long)(b0 + t0) * a.ldx + k0, a.ldx, kn,
+                                                    acc + t0 * 2 * PANEL);
+            }
+        }
+        for (int i = 0; i < np; i++) epilogue(&a, acc + i * PANEL, 2 * PANEL, b0, bn, (p + i) * PANEL);
+    }
+}
+
+/* ---------------------------------------------- the bf16 dot class, native */
+
+/* T tokens x NP panels of pairs over pairs [0, kn2); xb: [T][ldxb] pairs
+ * (low half the even step); acc [T][lda]. */
+__attribute__((always_inline, target(T512 ",avx512bf16"))) static inline void
+tile_dp(const uint16_t *w0, const uint16_t *w1, int NP, int T, const uint32_t *xb, int ldxb, int kn2, float *acc,
+        int lda) {
+    __m512 c0[TILE_W], c1[TILE_W];
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++) {
+        c0[t] = _mm512_loadu_ps(acc + t * lda);
+        c1[t] = NP > 1 ? _mm512_loadu_ps(acc + t * lda + PANEL) : c0[t];
+    }
+    for (int k = 0; k < kn2; k++, w0 += 2 * PANEL, w1 += 2 * PANEL) {
+        if (T <= 2) _mm_prefetch((const char *)(w0 + 64 * 2 * PANEL), _MM_HINT_T0);
+        __m512bh wa = (__m512bh)_mm512_loadu_si512(w0), wb = NP > 1 ? (__m512bh)_mm512_loadu_si512(w1) : wa;
+#pragma GCC unroll 12
+        for (int t = 0; t < T; t++) {
+            __m512bh xp = (__m512bh)_mm512_set1_epi32((int)xb[t * ldxb + k]);
+            c0[t] = _mm512_dpbf16_ps(c0[t], wa, xp);
+            if (NP > 1) c1[t] = _mm512_dpbf16_ps(c1[t], wb, xp);
+        }
+    }
+#pragma GCC unroll 12
+    for (int t = 0; t < T; t++) {
+        _mm512_storeu_ps(acc + t * lda, c0[t]);
+        if (NP > 1) _mm512_storeu_ps(acc + t * lda + PANEL, c1[t]);
+    }
+}
+
+typedef void (*tile_dp_fn)(const uint16_t *, const uint16_t *, const uint32_t *, int, int, float *, int);
+#define DEFDP(T, NP)                                                                                          \
+    __attribute__((target(T512 ",avx512bf16"))) static void tdp_##T##_##NP(                                   \
+        const uint16_t *w0, const uint16_t *w1, const uint32_t *xb, int ldxb, int kn2, float *acc, int lda) { \
+        tile_dp(w0, w1, NP, T, xb, ldxb, kn2, acc, lda);                                                      \
+    }
+#define DEFDP_T(T) DEFDP(T, 1) DEFDP(T, 2)
+DEFDP_T(1) DEFDP_T(2) DEFDP_T(3) DEFDP_T(4) DEFDP_T(5) DEFDP_T(6)
+DEFDP_T(7) DEFDP_T(8) DEFDP_T(9) DEFDP_T(10) DEFDP_T(11) DEFDP_T(12)
+#define ROWDP(NP)                                                                                              \
+    {0, tdp_1_##NP, tdp_2_##NP, tdp_3_##NP, tdp_4_##NP, tdp_5_##NP, tdp_6_##NP, tdp_7_##NP, tdp_8_##NP,        \
+     tdp_9_##NP, tdp_10_##NP, tdp_11_##NP, tdp_12_##NP}
+static const tile_dp_fn TILES_DP[2][TILE_W + 1] = {ROWDP(1), ROWDP(2)};
+
+/* ------------------------------------ the bf16 dot class, by fma (AVX2) */
+
+/* One token x one panel: 16 outputs as two ymm halves. Under FTZ/DAZ. */
+__attribute__((target("avx2,fma"))) static void tile_dp_avx2(const uint16_t *w, const uint32_t *xb, int kn2,
+                                                             float *acc) {
+    __m256 c0 = _mm256_loadu_ps(acc), c1 = _mm256_loadu_ps(acc + 8);
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int k = 0; k < kn2; k++, w += 2 * PANEL) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + PANEL));
+        __m256 xo = _mm256_castsi256_ps(_mm256_set1_epi32((int)(xb[k] & 0xffff0000u)));
+        __m256 xe = _mm256_castsi256_ps(_mm256_set1_epi32((int)(xb[k] << 16)));
+        c0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v0, hi)), xo, c0);
+        c0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), xe, c0);
+        c1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v1, hi)), xo, c1);
+        c1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), xe, c1);
+    }
+    _mm256_storeu_ps(acc, c0);
+    _mm256_storeu_ps(acc + 8, c1);
+}
+#endif
+
+/* The same, one lane at a time (a bf16 product is exact: + rounds once). */
+static void tile_dp_scalar(const uint16_t *w, const uint32_t *xb, int kn2, float *acc) {
+    for (int k = 0; k < kn2; k++, w += 2 * PANEL) {
+        float xe = bf16_to_f32((uint16_t)(xb[k] & 0xffff)), xo = bf16_to_f32((uint16_t)(xb[k] >> 16));
+        for (int i = 0; i < PANEL; i++) {
+            float v = acc[i] + bf16_to_f32(w[2 * i + 1]) * xo;
+            acc[i] = v + bf16_to_f32(w[2 * i]) * xe;
+        }
+    }
+}
+
+/* x's rows as bf16 pairs, a task a (part, row block). */
+static void pairs_task(const void *ctx, long task) {
+    const linear_job *j = (const linear_job *)ctx;
+    int K = j->a.K, K2 = (K + 1) / 2, n = j->a.n, rows = 16;
+    long blocks = (n + rows - 1) / rows, part = task / blocks;
+    for (int t = (int)(task % blocks) * rows; t < n && t < (int)(task % blocks + 1) * rows; t++) {
+        const float *xr = j->a.x + (long)t * j->a.ldx + part * K;
+        uint32_t *d = j->xb + (part * n + t) * (long)K2;
+        for (int i = 0; i < K / 2; i++) d[i] = f32_to_bf16(xr[2 * i]) | (uint32_t)f32_to_bf16(xr[2 * i + 1]) << 16;
+        if (K % 2) d[K2 - 1] = f32_to_bf16(xr[K - 1]);
+    }
+}
+
+int pairs_prepare(linear_job *j, int parts, int nthreads) {
+    long rows = (long)parts * j->a.n, K2 = (j->a.K + 1) / 2;
+    j->xb = (uint32_t *)malloc(sizeof(uint32_t) * rows * K2);
+    if (!j->xb) return -1;
+    sf_parallel(pairs_task, j, parts * ((j->a.n + 15) / 16), nthreads);
+    return 0;
+}
+
+/* Task: a block of tokens x `per` panels, GROUP panels' accumulators at a
+ * time, two panels a tile. */
+void linear_task_pairs(const void *ctx, long task) {
+    const linear_job *j = (const linear_job *)ctx;
+    gemm_args a;
+    int b0, bn, p0, p1;
+    task_share(j, task, &a, &b0, &bn, &p0, &p1);
+    float acc[BLOCK_T * GROUP * PANEL];
+    int K = a.K, K2 = (K + 1) / 2, lda = GROUP * PANEL;
+    long part = task / (j->blocks * j->chunks);
+    const uint32_t *xb = j->xb + (part * a.n + b0) * (long)K2;
+#if SF_X86
+    unsigned csr = _mm_getcsr();
+#endif
+    for (int g0 = p0; g0 < p1; g0 += GROUP) {
+        int gn = p1 - g0 < GROUP ? p1 - g0 : GROUP;
+        for (int t = 0; t < bn; t++) memset(acc + t * lda, 0, sizeof(float) * gn * PANEL);
+#if SF_X86
+        _mm_setcsr(csr | 0x8040); /* FTZ and DAZ: the class's denormals (the epilogue's adds keep the caller's) */
+#endif
+        for (int k20 = 0; k20 < K2; k20 += BLOCK_K2) {
+            int kn2 = K2 - k20 < BLOCK_K2 ? K2 - k20 : BLOCK_K2;
+            for (int gi = 0; gi < gn; gi += 2) {
+                int np = gn - gi < 2 ? 1 : 2;
+                const uint16_t *w0 = (const uint16_t *)a.w + ((long)(g0 + gi) * K2 + k20) * 2 * PANEL;
+                const uint16_t *w1 = np > 1 ? w0 + (long)K2 * 2 * PANEL : w0;
+#if SF_X86
+                if (j->isa >= SF_ISA_AVX512_BF16) {
+                    for (int t0 = 0; t0 < bn; t0 += TILE_W) {
+                        int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;
+                        TILES_DP[np - 1][tn](w0, w1, xb + (long)t0 * K2 + k20, K2, kn2, acc + t0 * lda + gi * PANEL,
+                                             lda);
+                    }
+                    continue;
+                }
+#endif
+                for (int pi = 0; pi < np; pi++)
+                    for (int t = 0; t < bn; t++) {
+                        const uint16_t *w = pi ? w1 : w0;
+                        float *c = acc + t * lda + (gi + pi) * PANEL;
+#if SF_X86
+                        if (j->isa >= SF_ISA_AVX2) {
+                            tile_dp_avx2(w, xb + (long)t * K2 + k20, kn2, c);
+                            continue;
+                        }
+#endif
+                        tile_dp_scalar(w, xb + (long)t * K2 + k20, kn2, c);
+                    }
+            }
+        }
+#if SF_X86
+        _mm_setcsr(csr);
+#endif
+        for (int gi = 0; gi < gn; gi++) epilogue(&a, acc + gi * PANEL, lda, b0, bn, (g0 + gi) * PANEL);
+    }
+}

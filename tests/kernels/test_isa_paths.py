@@ -1,0 +1,126 @@
+"""The kernels' ISA paths and numeric classes (kernels/sf_gemm_wide.c).
+
+float32 and the bf16-fma class give the same bits on every path (scalar,
+AVX2, AVX-512); the bf16-dot class gives the same bits natively (vdpbf16ps)
+and by fma on the lower paths. Each path runs here only where the CPU has
+it; a missing one skips naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from superfluid.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built")
+
+BEST = cpu.ISA_LEVELS.get(cpu.best_isa(), 0)
+FLAG = {"avx2": "avx2 and fma", "avx512": "avx512f/dq/bw/vl", "avx512-bf16": "avx512_bf16"}
+
+
+def need(path: str) -> None:
+    if cpu.ISA_LEVELS[path] > BEST:
+        pytest.skip(f"this CPU lacks {FLAG[path]} (cpuid): the {path} path cannot run here")
+
+
+def on(level: int, fn):
+    cpu.force_isa(level)
+    try:
+        return fn()
+    finally:
+        cpu.force_isa(None)
+
+
+CLASSES = [(torch.float32, None), (torch.bfloat16, "bf16-fma"), (torch.bfloat16, "bf16-dot")]
+
+
+@pytest.mark.parametrize("dtype,numeric", CLASSES)
+@pytest.mark.parametrize("path", ["avx512", "avx512-bf16"])
+def test_each_class_gives_the_same_bits_on_every_path(dtype, numeric, path):
+    need(path)
+    torch.manual_seed(5)
+    for out, inp, n in ((37, 19, 3), (1100, 1537, 101), (48, 600, 40)):  # odd K, panel edges, tile tails
+        w, b = torch.randn(out, inp).to(dtype), torch.randn(out)
+        p = cpu.pack(w, b, numeric=numeric)
+        x = torch.randn(n, inp)
+        top = on(cpu.ISA_LEVELS[path], lambda: cpu.linear(x, p))
+        for lower in range(cpu.ISA_LEVELS[path]):
+            assert torch.equal(on(lower, lambda: cpu.linear(x, p)), top), (out, inp, cpu.ISA_NAMES[lower])
+        assert not torch.equal(top[0], top[1])
+
+
+def test_the_classes_differ():
+    """The negative control: the bf16 classes round differently, so an
+    equality between paths of one class is not an equality of everything."""
+    torch.manual_seed(6)
+    w, x = torch.randn(64, 512).to(torch.bfloat16), torch.randn(8, 512)
+    fma = cpu.linear(x, cpu.pack(w, numeric="bf16-fma"))
+    dot = cpu.linear(x, cpu.pack(w, numeric="bf16-dot"))
+    assert not torch.equal(fma, dot)
+    assert (fma - dot).abs().max() < 0.5  # the same product, to bf16's precision
+
+
+@pytest.mark.parametrize("numeric", ["bf16-fma", "bf16-dot"])
+def test_a_class_matches_its_definition_in_float64(numeric):
+    torch.manual_seed(7)
+    w, b, x = torch.randn(300, 777).to(torch.bfloat16), torch.randn(300), torch.randn(33, 777)
+    got = cpu.linear(x, cpu.pack(w, b, numeric=numeric)).double()
+    xs = x.to(torch.bfloat16) if numeric == "bf16-dot" else x  # the dot class rounds activations to bf16
+    ref = xs.double() @ w.double().T + b.double()
+    assert (got - ref).abs().max() < 2e-6 * 777 ** 0.5 * 8
+
+
+@settings(max_examples=25, deadline=None)
+@given(out=st.integers(1, 80), inp=st.integers(1, 300), n=st.integers(1, 40), threads=st.integers(1, 3),
+       cls=st.sampled_from(CLASSES), parts=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_rows_are_batch_thread_and_path_invariant_within_a_class(out, inp, n, threads, cls, parts, seed):
+    dtype, numeric = cls
+    inp = inp * parts
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g).to(dtype)
+    x = torch.randn(n, inp, generator=g)
+    p = cpu.pack_parts(w, parts, numeric=numeric) if parts > 1 else cpu.pack(w, numeric=numeric)
+    run = (lambda xx: cpu.linear_parts(xx, p)) if parts > 1 else (lambda xx: cpu.linear(xx, p)[None])
+    before = cpu.threads()
+    try:
+        cpu.set_threads(threads)
+        full = run(x)
+        at = n // 2
+        assert torch.equal(run(x[at:at + 1])[:, 0], full[:, at])
+        for lower in range(BEST):
+            assert torch.equal(on(lower, lambda: run(x)), full), cpu.ISA_NAMES[lower]
+    finally:
+        cpu.set_threads(before)
+
+
+def test_a_path_above_the_cpu_or_unknown_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown ISA path 'avx1024'"):
+        cpu.force_isa("avx1024")
+    if cpu.ISA_LEVELS["avx512-bf16"] > BEST:
+        with pytest.raises(ValueError, match="above this CPU's best"):
+            cpu.force_isa("avx512-bf16")
+    with pytest.raises(ValueError, match="SUPERFLUID_ISA=sse9"):
+        cpu.configure_from_env({"SUPERFLUID_ISA": "sse9"})
+    with pytest.raises(ValueError, match="SUPERFLUID_BF16_CLASS=bf17"):
+        cpu.configure_from_env({"SUPERFLUID_BF16_CLASS": "bf17"})
+    try:
+        cpu.configure_from_env({"SUPERFLUID_ISA": "scalar"})
+        assert cpu.isa() == "scalar"
+    finally:
+        cpu.force_isa(None)
+    assert cpu.isa() == cpu.best_isa()
+
+
+def test_the_class_follows_the_path_unless_pinned():
+    try:
+        cpu.force_isa("avx2" if BEST >= 1 else "scalar")
+        assert cpu.bf16_class() == "bf16-fma"
+        cpu.set_bf16_class("bf16-dot")
+        assert cpu.bf16_class() == "bf16-dot" and cpu.numeric_class(torch.bfloat16) == "bf16-dot"
+        assert cpu.pack(torch.ones(3, 4, dtype=torch.bfloat16)).numeric_class == "bf16-dot"
+    finally:
+        cpu.force_isa(None)
+        cpu.set_bf16_class(None)
+    assert cpu.numeric_class(torch.float32) == "fp32"
+    assert cpu.bf16_class() == ("bf16-dot" if cpu.ISA_LEVELS["avx512-bf16"] <= BEST else "bf16-fma")
