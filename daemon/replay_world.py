@@ -183,8 +183,12 @@ def worker_args(header: dict[str, Any], model: str | None, tmp: str) -> argparse
 def _desc_difference(recorded: dict[str, Any], desc: Any) -> str | None:
     here = dataclasses.asdict(desc)
     for k, v in recorded.items():
-        if k not in ("tp", "nnodes") and here.get(k) != v:
-            return f"runtime.{k}: recorded {v!r}, here {here.get(k)!r}"
+        # The layout and the ISA change no bit; the numeric class does (a replay in another one is refused).
+        if k not in ("tp", "nnodes", "isa") and here.get(k) != v:
+            hint = ""
+            if k == "numeric_class" and str(v).startswith("bf16-"):
+                hint = f" (SUPERFLUID_BF16_CLASS={v} replays in the recorded class)"
+            return f"runtime.{k}: recorded {v!r}, here {here.get(k)!r}{hint}"
     return None
 
 

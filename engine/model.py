@@ -65,6 +65,7 @@ class Model:
         self.scale = cfg.head_dim ** -0.5
         self.parts = reduction_parts(cfg)
         self.stack = None
+        self._pools: tuple | None = None  # the KV pool's per-layer heads-major views (_forward_cpu)
         self.blocked: BlockedModel | None = None
         if not backend.fused_cpu:
             # Fixed-shape blocks: the bits of every tensor-parallel degree (engine/blocked.py);
@@ -168,15 +169,18 @@ class Model:
         cpu, eps = self.backend.cpu, self.cfg.rms_norm_eps
         x = cpu.embed(self.embed, tokens)
         if self.stack is not None:
-            n_layers = len(self.layers)
-            ks = [heads_major(k_cache[i]) for i in range(n_layers)]
-            vs = [heads_major(v_cache[i]) for i in range(n_layers)]
-            if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
-                raise ValueError("the CPU kernels need a heads-major KV pool")
-            self.stack.forward(x, lay, ks, vs)
+            key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape)
+            if self._pools is None or self._pools[0] != key:  # the views, made once a pool (16 calls a step)
+                n_layers = len(self.layers)
+                ks = [heads_major(k_cache[i]) for i in range(n_layers)]
+                vs = [heads_major(v_cache[i]) for i in range(n_layers)]
+                if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
+                    raise ValueError("the CPU kernels need a heads-major KV pool")
+                self._pools = (key, ks, vs)
+            self.stack.forward(x, lay, self._pools[1], self._pools[2])
         else:
             self._layers_cpu(x, lay, k_cache, v_cache)
-        if rows is not None:
+        if rows is not None and rows.shape[0] != x.shape[0]:  # as many rows as tokens: every row, in order
             x = x[rows]
         return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
 

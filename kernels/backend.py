@@ -116,6 +116,11 @@ class CpuBackend(Backend):
     def isa(self, device: torch.device) -> str:
         return self.cpu.isa()
 
+    def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Every row's greedy token and whether it is not finite: what
+        sample() with greedy specs and step_sampled's check give, in C."""
+        return self.cpu.greedy(logits)
+
     def idle(self) -> None:
         self.cpu.park()
 

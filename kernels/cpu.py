@@ -21,12 +21,14 @@ except ImportError:  # pragma: no cover - a build without the extension
 
 PANEL = 16
 # The kernels' paths, lowest first (sf_cpu.h's SF_ISA_*).
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-bf16"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-bf16", 4: "amx-bf16"}
 ISA_LEVELS = {name: level for level, name in ISA_NAMES.items()}
 # What the CPU offers (SF_FEAT_*), whether a kernel uses it or not.
-FEATURE_NAMES = {1: "avx2+fma", 2: "avx512f/dq/bw/vl", 4: "avx512-bf16", 8: "amx-bf16", 16: "amx-permitted"}
-# The bf16 numeric classes (module doc); float32 weights have one, "fp32".
-BF16_CLASSES = ("bf16-fma", "bf16-dot")
+FEATURE_NAMES = {1: "avx2+fma", 2: "avx512f/dq/bw/vl", 4: "avx512-bf16", 8: "amx-bf16", 16: "amx-permitted",
+                 32: "amx-verified"}
+# The bf16 numeric classes (bf16_class); float32 weights have one, "fp32".
+BF16_CLASSES = ("bf16-fma", "bf16-dot", "bf16-amx")
+_WTYPES = {"fp32": 0, "bf16-fma": 1, "bf16-dot": 2, "bf16-amx": 3}  # sf_linear's wtype
 ISA_ENV, BF16_ENV = "SUPERFLUID_ISA", "SUPERFLUID_BF16_CLASS"
 
 
@@ -66,7 +68,8 @@ def force_isa(level: int | str | None) -> None:
 
 def parse_isa(name: str) -> int:
     key = name.strip().lower().replace("_", "-")
-    key = {"avx2+fma": "avx2", "avx512bf16": "avx512-bf16", "avx512f": "avx512"}.get(key, key)
+    key = {"avx2+fma": "avx2", "avx512bf16": "avx512-bf16", "avx512f": "avx512", "amx": "amx-bf16",
+           "amxbf16": "amx-bf16"}.get(key, key)
     if key not in ISA_LEVELS:
         raise ValueError(f"unknown ISA path {name!r}; known: {', '.join(ISA_LEVELS)}")
     return ISA_LEVELS[key]
@@ -77,12 +80,16 @@ _bf16_class: str | None = None  # None: follow the path (bf16-dot where vdpbf16p
 
 def bf16_class() -> str:
     """The numeric class bf16 weights packed now get: "bf16-dot" (activations
-    rounded to bf16, pairs of products added as vdpbf16ps does) or
-    "bf16-fma" (activations float32, weights widened, one fma chain). Within
-    a class every path gives the same bits; between classes rows differ."""
+    rounded to bf16, pairs of products added as vdpbf16ps does),
+    "bf16-fma" (activations float32, weights widened, one fma chain) or
+    "bf16-amx" (activations rounded to bf16, what AMX's tdpbf16ps computes:
+    the amx-bf16 path only). Within a class every path that runs it gives
+    the same bits; between classes rows differ."""
     if _bf16_class is not None:
         return _bf16_class
-    return "bf16-dot" if lib is not None and lib.sf_cpu_isa() >= ISA_LEVELS["avx512-bf16"] else "bf16-fma"
+    level = lib.sf_cpu_isa() if lib is not None else 0
+    return ("bf16-amx" if level >= ISA_LEVELS["amx-bf16"] else
+            "bf16-dot" if level >= ISA_LEVELS["avx512-bf16"] else "bf16-fma")
 
 
 def set_bf16_class(name: str | None) -> None:
@@ -92,6 +99,8 @@ def set_bf16_class(name: str | None) -> None:
     global _bf16_class
     if name is not None and name not in BF16_CLASSES:
         raise ValueError(f"unknown bf16 numeric class {name!r}; known: {', '.join(BF16_CLASSES)}")
+    if name == "bf16-amx" and (lib is None or lib.sf_cpu_isa() < ISA_LEVELS["amx-bf16"]):
+        raise ValueError(f"the bf16-amx class runs only on the amx-bf16 path; this process runs {isa()!r}")
     _bf16_class = name
 
 
@@ -213,6 +222,9 @@ def _vec(t: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
 
 
 def _check(rc: int, what: str) -> None:
+    if rc == -2:
+        raise RuntimeError(f"{what}: weights of the bf16-amx class run only on the amx-bf16 path; this process "
+                           f"runs {isa()!r}")
     if rc != 0:
         raise RuntimeError(f"{what} failed (rc {rc}): out of memory or bad arguments")
 
@@ -226,11 +238,11 @@ class Packed:
     inp: int
     bias: torch.Tensor | None  # float32 [out]
     parts: int = 1  # pieces the reduction is split into (pack_parts)
-    wtype: int = 0  # sf_linear's: 0 float32, 1 bf16, 2 bf16 in pairs (the bf16-dot class)
+    wtype: int = 0  # sf_linear's: 0 float32, 1 bf16, 2 and 3 bf16 in pairs (the bf16-dot, bf16-amx classes)
 
     @property
     def numeric_class(self) -> str:
-        return ("fp32", "bf16-fma", "bf16-dot")[self.wtype]
+        return ("fp32", "bf16-fma", "bf16-dot", "bf16-amx")[self.wtype]
 
     @property
     def nbytes(self) -> int:
@@ -258,7 +270,7 @@ def _wtype(w: torch.Tensor, numeric: str | None) -> int:
     cls = numeric or bf16_class()
     if cls not in BF16_CLASSES:
         raise ValueError(f"pack: unknown bf16 numeric class {cls!r}")
-    return 2 if cls == "bf16-dot" else 1
+    return _WTYPES[cls]
 
 
 def pack(w: torch.Tensor, bias: torch.Tensor | None = None, *, numeric: str | None = None) -> Packed:
@@ -266,7 +278,7 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None = None, *, numeric: str | No
     (default: this process's bf16_class())."""
     wtype = _wtype(w, numeric)
     out, inp = w.shape
-    return Packed(_pack_w(w, wtype == 2), out, inp, None if bias is None else bias.float().contiguous(), 1, wtype)
+    return Packed(_pack_w(w, wtype >= 2), out, inp, None if bias is None else bias.float().contiguous(), 1, wtype)
 
 
 def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None, *,
@@ -279,7 +291,7 @@ def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None, *,
     if parts < 1 or inp % parts:
         raise ValueError(f"pack_parts: {inp} inputs do not split into {parts} pieces")
     step = inp // parts
-    pieces = [_pack_w(w[:, i * step:(i + 1) * step].contiguous(), wtype == 2) for i in range(parts)]
+    pieces = [_pack_w(w[:, i * step:(i + 1) * step].contiguous(), wtype >= 2) for i in range(parts)]
     return Packed(torch.cat(pieces).contiguous(), out, inp, None if bias is None else bias.float().contiguous(),
                   parts, wtype)
 
@@ -349,6 +361,21 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = gu.new_empty((n, inter))
     _check(lib.sf_silu_mul(_f(gu), gu.stride(0), n, inter, _f(out), inter, _threads()), "sf_silu_mul")
     return out
+
+
+@_profiled
+def greedy(rows: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Per row of float32 [B, V]: the first maximum (a NaN ranked as -inf, as
+    sampling's greedy does) and whether the row is not finite (a NaN, or a
+    max of +-inf)."""
+    if rows.dim() != 2 or rows.shape[1] == 0:
+        raise ValueError(f"greedy: expected rows [B, V>0], got shape {tuple(rows.shape)}")
+    rows = _rows(rows, rows.shape[1], "greedy: rows")
+    b = rows.shape[0]
+    tok = ffi.new("int64_t[]", b)
+    bad = ffi.new("uint8_t[]", b)
+    _check(lib.sf_greedy(_f(rows), rows.stride(0), b, rows.shape[1], tok, bad), "sf_greedy")
+    return list(tok), [bool(x) for x in bad]
 
 
 @_profiled

@@ -27,13 +27,14 @@ typedef struct {
 
 /* Kernel paths, lowest first (sf_cpu_isa: the one running), and what the
  * CPU offers (sf_cpu_features). */
-enum { SF_ISA_SCALAR = 0, SF_ISA_AVX2 = 1, SF_ISA_AVX512 = 2, SF_ISA_AVX512_BF16 = 3 };
+enum { SF_ISA_SCALAR = 0, SF_ISA_AVX2 = 1, SF_ISA_AVX512 = 2, SF_ISA_AVX512_BF16 = 3, SF_ISA_AMX_BF16 = 4 };
 enum {
-    SF_FEAT_AVX2 = 1,          /* AVX2 and FMA */
-    SF_FEAT_AVX512 = 2,        /* AVX-512 F, DQ, BW and VL */
-    SF_FEAT_AVX512_BF16 = 4,   /* vdpbf16ps */
-    SF_FEAT_AMX_BF16 = 8,      /* AMX tiles with bf16 (no kernel uses them yet) */
-    SF_FEAT_AMX_PERMITTED = 16 /* the OS granted this process the tile state */
+    SF_FEAT_AVX2 = 1,           /* AVX2 and FMA */
+    SF_FEAT_AVX512 = 2,         /* AVX-512 F, DQ, BW and VL */
+    SF_FEAT_AVX512_BF16 = 4,    /* vdpbf16ps */
+    SF_FEAT_AMX_BF16 = 8,       /* AMX tiles with bf16 */
+    SF_FEAT_AMX_PERMITTED = 16, /* the OS granted this process the tile state */
+    SF_FEAT_AMX_VERIFIED = 32   /* the tile kernel passed its check in a child process (sf_gemm_wide.c) */
 };
 int sf_cpu_isa(void);
 int sf_cpu_isa_max(void);
@@ -59,6 +60,7 @@ int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, floa
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads);
+int sf_greedy(const float *x, long ldx, int B, int V, int64_t *tok, uint8_t *bad);
 int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
                      int n, float *out, long ldo);
 

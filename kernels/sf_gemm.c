@@ -129,10 +129,12 @@ static int run_linear(linear_job *j, int parts, int nthreads) {
     j->per = PANELS_PER_TASK;
     while (parts * j->blocks * ((j->panels + j->per - 1) / j->per) > MAX_TASKS) j->per *= 2; /* the task field */
     j->chunks = (j->panels + j->per - 1) / j->per;
-    task_fn fn = j->a.wtype == WT_BF16_PAIRS ? linear_task_pairs
+    if (j->a.wtype == WT_BF16_AMX && j->isa < SF_ISA_AMX_BF16) return -2; /* that class has no other path */
+    int pairs = j->a.wtype == WT_BF16_PAIRS || j->a.wtype == WT_BF16_AMX;
+    task_fn fn = pairs                       ? linear_task_pairs
                  : j->isa >= SF_ISA_AVX512   ? linear_task_avx512
                                              : linear_task;
-    if (j->a.wtype == WT_BF16_PAIRS && pairs_prepare(j, parts, nthreads)) return -1;
+    if (pairs && pairs_prepare(j, parts, nthreads)) return -1;
     sf_parallel(fn, j, parts * j->blocks * j->chunks, nthreads);
     free(j->xb);
     return 0;
@@ -140,13 +142,13 @@ static int run_linear(linear_job *j, int parts, int nthreads) {
 
 /* Weight elements a piece of K inputs takes, packed as wtype. */
 static long piece_elems(int panels, int K, int wtype) {
-    return wtype == WT_BF16_PAIRS ? (long)panels * ((K + 1) / 2) * 2 * PANEL : (long)panels * K * PANEL;
+    return wtype >= WT_BF16_PAIRS ? (long)panels * ((K + 1) / 2) * 2 * PANEL : (long)panels * K * PANEL;
 }
 
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
-    if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_PAIRS) return -1;
+    if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
     linear_job j = {{x, ldx, n, K, out, w, wtype, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
                     sf_cpu_isa(), 0, 0, NULL};
     return run_linear(&j, 1, nthreads);
@@ -160,7 +162,7 @@ int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, 
 int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,
                     int nthreads) {
     if (n <= 0 || out <= 0) return 0;
-    if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_PAIRS) return -1;
+    if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
     linear_job j = {{x, ldx, n, K, out, w, wtype, NULL, y, out, 0}, (out + PANEL - 1) / PANEL, 0, 0,
                     sf_cpu_isa(), 0, 0, NULL};
     j.wpart = piece_elems(j.panels, K, wtype);

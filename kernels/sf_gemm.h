@@ -17,8 +17,10 @@
  *   F32, BF16: [ceil(out / PANEL)][K][PANEL], rows past out zero;
  *   BF16_PAIRS: [ceil(out / PANEL)][ceil(K / 2)][PANEL][2], the reduction's
  *     steps 2i and 2i+1 of an output side by side (K odd: a zero step
- *     added), for the bf16 dot class (sf_gemm_wide.c). */
-enum { WT_F32 = 0, WT_BF16 = 1, WT_BF16_PAIRS = 2 };
+ *     added), for the bf16-dot class (sf_gemm_wide.c);
+ *   BF16_AMX: the same layout, for the bf16-amx class (what AMX's tdpbf16ps
+ *     computes; only the amx-bf16 path runs it). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_BF16_PAIRS = 2, WT_BF16_AMX = 3 };
 
 /* y[t, o] = (sum_k x[t, k] * W[o, k]) (+ bias[o]) (+ y[t, o] when resid). */
 typedef struct {

@@ -18,7 +18,10 @@
  * denormal terms sum to a zero (its sign). */
 #include "sf_gemm.h"
 
+#include <errno.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define TILE_W 12 /* tokens per AVX-512 tile */
 #define BLOCK_K2 (BLOCK_K / 2) /* reduction pairs per cache block */
@@ -190,6 +193,117 @@ static void tile_dp_scalar(const uint16_t *w, const uint32_t *xb, int kn2, float
     }
 }
 
+/* ------------------------------------------------ the bf16-amx class (AMX) */
+
+#if SF_X86
+/* Tiles: 0-1 accumulators (tokens x 16 outputs, float32), 4 x as pairs
+ * (tokens x up to 16 pairs), 6-7 weights (pairs x 16 outputs' pairs). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static _Thread_local int t_cfg_m = -1, t_cfg_k = -1; /* this thread's tile shapes, loaded */
+
+__attribute__((target("amx-tile"))) static void amx_shape(int m, int k2) {
+    if (t_cfg_m == m && t_cfg_k == k2) return;
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 2; i++) c.rows[i] = (uint8_t)m, c.colsb[i] = 4 * PANEL;
+    c.rows[4] = (uint8_t)m, c.colsb[4] = (uint16_t)(4 * k2);
+    for (int i = 6; i < 8; i++) c.rows[i] = (uint8_t)k2, c.colsb[i] = 4 * PANEL;
+    _tile_loadconfig(&c); /* (zeroes every tile) */
+    t_cfg_m = m, t_cfg_k = k2;
+}
+
+/* tn (<= 16) tokens x np panels over pairs [0, kn2), 16 pairs an instruction
+ * from the block's start (a fixed grouping: it depends on K only). */
+__attribute__((target("amx-tile,amx-bf16"))) static void tile_amx(const uint16_t *w0, const uint16_t *w1, int np,
+                                                                int tn, const uint32_t *xb, int ldxb, int kn2,
+                                                                float *acc, int lda) {
+    for (int k0 = 0; k0 < kn2; k0 += 16) {
+        int kn = kn2 - k0 < 16 ? kn2 - k0 : 16;
+        if (t_cfg_m != tn || t_cfg_k != kn || k0 == 0) {
+            amx_shape(tn, kn);
+            _tile_loadd(0, acc, 4L * lda);
+            if (np > 1) _tile_loadd(1, acc + PANEL, 4L * lda);
+        }
+        _tile_loadd(4, xb + k0, 4L * ldxb);
+        _tile_loadd(6, w0 + (long)k0 * 2 * PANEL, 4 * PANEL);
+        _tile_dpbf16ps(0, 4, 6);
+        if (np > 1) {
+            _tile_loadd(7, w1 + (long)k0 * 2 * PANEL, 4 * PANEL);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (k0 + 16 >= kn2 || kn2 - (k0 + 16) < 16) { /* the last, or a tail of another shape next */
+            _tile_stored(0, acc, 4L * lda);
+            if (np > 1) _tile_stored(1, acc + PANEL, 4L * lda);
+        }
+    }
+}
+
+/* The check sf_amx_verify runs: 2 panels x K = 77 (pairs in a full group
+ * and a tail), 16 tokens and one alone, against float64 sums; the row
+ * alone must equal the row in the tile bit for bit. */
+static int amx_probe(void) {
+    enum { T = 16, K2 = 39, N = 2 * PANEL };
+    static uint16_t w[2][K2 * 2 * PANEL];
+    static uint32_t xb[T * K2];
+    static float acc[T * N], one[N];
+    uint32_t s = 12345;
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < K2 * 2 * PANEL; i++) {
+            s = s * 1103515245u + 12345u;
+            w[p][i] = f32_to_bf16((float)((int)(s >> 16) % 2001 - 1000) / 997.0f);
+        }
+    for (int i = 0; i < T * K2; i++) {
+        s = s * 1103515245u + 12345u;
+        uint16_t lo = f32_to_bf16((float)((int)(s >> 16) % 2001 - 1000) / 331.0f);
+        s = s * 1103515245u + 12345u;
+        uint16_t hi = (i % K2 == K2 - 1) ? 0 : f32_to_bf16((float)((int)(s >> 16) % 2001 - 1000) / 331.0f);
+        xb[i] = lo | (uint32_t)hi << 16;
+    }
+    memset(acc, 0, sizeof acc);
+    memset(one, 0, sizeof one);
+    t_cfg_m = t_cfg_k = -1;
+    tile_amx(w[0], w[1], 2, T, xb, K2, K2, acc, N);
+    t_cfg_m = t_cfg_k = -1;
+    tile_amx(w[0], w[1], 2, 1, xb + 5 * K2, K2, K2, one, N);
+    for (int t = 0; t < T; t++)
+        for (int o = 0; o < N; o++) {
+            const uint16_t *wp = w[o / PANEL] + (o % PANEL) * 2;
+            double ref = 0, mag = 0;
+            for (int k = 0; k < K2; k++) {
+                uint32_t x = xb[t * K2 + k];
+                double a = (double)bf16_to_f32((uint16_t)(x & 0xffff)) * bf16_to_f32(wp[k * 2 * PANEL]);
+                double b = (double)bf16_to_f32((uint16_t)(x >> 16)) * bf16_to_f32(wp[k * 2 * PANEL + 1]);
+                ref += a + b, mag += fabs(a) + fabs(b);
+            }
+            if (!(fabs(acc[t * N + o] - ref) <= 1e-4 * mag + 1e-30)) return 0; /* a wrong layout: ~mag */
+        }
+    return memcmp(one, acc + 5 * N, sizeof one) == 0;
+}
+#endif
+
+int sf_amx_verify(void) {
+#if SF_X86
+    pid_t pid = fork();
+    if (pid < 0) return 0;
+    if (pid == 0) {
+        alarm(10);
+        _exit(amx_probe() ? 0 : 1);
+    }
+    int st = 0;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR) return 0;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+#else
+    return 0;
+#endif
+}
+
 /* x's rows as bf16 pairs, a task a (part, row block). */
 static void pairs_task(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
@@ -238,6 +352,13 @@ void linear_task_pairs(const void *ctx, long task) {
                 const uint16_t *w0 = (const uint16_t *)a.w + ((long)(g0 + gi) * K2 + k20) * 2 * PANEL;
                 const uint16_t *w1 = np > 1 ? w0 + (long)K2 * 2 * PANEL : w0;
 #if SF_X86
+                if (a.wtype == WT_BF16_AMX) { /* run_linear saw the path */
+                    for (int t0 = 0; t0 < bn; t0 += 16) {
+                        int tn = bn - t0 < 16 ? bn - t0 : 16;
+                        tile_amx(w0, w1, np, tn, xb + (long)t0 * K2 + k20, K2, kn2, acc + t0 * lda + gi * PANEL, lda);
+                    }
+                    continue;
+                }
                 if (j->isa >= SF_ISA_AVX512_BF16) {
                     for (int t0 = 0; t0 < bn; t0 += TILE_W) {
                         int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;

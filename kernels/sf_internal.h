@@ -17,6 +17,9 @@
 
 
 int sf_cpu_isa(void);
+/* Whether the AMX tile kernel runs and gives sane, row-invariant sums: tried
+ * in a child process, so a fault there costs the path, not the process. */
+int sf_amx_verify(void);
 
 /* A job: fn(ctx, task) for task 0..ntasks-1, on up to nthreads threads (sf_pool.c). */
 typedef void (*task_fn)(const void *ctx, long task);

@@ -1,4 +1,6 @@
-/* Grammar masks on sampler rows (kernels/sampling.py): a banned token's
+/* Sampler rows (kernels/sampling.py): grammar masks and the greedy pick.
+ *
+ * Grammar masks: a banned token's
  * logit becomes -inf before anything else reads the row (contract §5).
  *
  * One pass, integer ops on the floats' bits, so the result is exact and
@@ -7,6 +9,7 @@
  * 32 banned tokens writes -inf without reading the row: a grammar usually
  * allows a handful of a vocabulary's tokens, so most words are all zero. */
 #include "sf_cpu.h"
+#include "sf_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +60,55 @@ int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits
                 }
             }
         }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ greedy */
+
+#if SF_X86
+/* The max of r[0..V) past NaNs, and whether one was seen; whole vectors only (returns where it stopped). */
+__attribute__((target("avx2,fma"))) static int max_avx2(const float *r, int V, float *m, int *nan) {
+    __m256 mx = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= V; i += 8) {
+        __m256 v = _mm256_loadu_ps(r + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(v, mx); /* a NaN in v yields mx's lane: NaNs never enter */
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int l = 0; l < 8; l++)
+        if (lanes[l] > *m) *m = lanes[l];
+    *nan |= _mm256_movemask_ps(un) != 0;
+    return i;
+}
+#endif
+
+/* Each row's greedy token (the first maximum, a NaN ranked as -inf: what
+ * sampling's greedy picks) and whether the row is not finite (a NaN, or a
+ * max of +-inf: step_sampled's NONFINITE rule), in two passes. */
+int sf_greedy(const float *x, long ldx, int B, int V, int64_t *tok, uint8_t *bad) {
+    if (B < 0 || V <= 0) return -1;
+    for (int b = 0; b < B; b++) {
+        const float *r = x + (long)b * ldx;
+        float m = -INFINITY;
+        int nan = 0, i = 0;
+#if SF_X86
+        if (sf_cpu_isa() >= SF_ISA_AVX2) i = max_avx2(r, V, &m, &nan);
+#endif
+        for (; i < V; i++) {
+            if (r[i] != r[i]) nan = 1;
+            else if (r[i] > m) m = r[i];
+        }
+        int at = 0; /* a row of NaN and -inf: its first element, as argmax over NaN -> -inf */
+        for (int j = 0; j < V; j++)
+            if (r[j] == m) {
+                at = j;
+                break;
+            }
+        tok[b] = at;
+        bad[b] = (uint8_t)(nan || isinf(m));
     }
     return 0;
 }

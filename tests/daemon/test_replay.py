@@ -362,3 +362,20 @@ def test_a_run_under_a_seeded_fault_schedule_replays_identical(tmp_path):
     assert results[0].difference is None, results[0].difference.line()
     eps = epochs_of(results)
     assert [e["epoch"] for e in eps] == [1, 2] and eps[0]["ticks"] >= 5, eps
+
+
+def test_a_record_of_another_numeric_class_is_refused_and_another_isa_is_not():
+    """A replay must compute what the worker computed: another numeric class
+    is named (with how to replay in the recorded one); another ISA of the
+    same class changes no bit, so it replays."""
+    import dataclasses
+
+    from superfluid.daemon.replay_world import _desc_difference
+    from superfluid.engine.runtime import RuntimeDescription
+
+    here = RuntimeDescription("llama-torch", 64, 128, 8, numeric_class="bf16-fma", isa="avx2")
+    recorded = dataclasses.asdict(dataclasses.replace(here, numeric_class="bf16-dot", isa="avx512-bf16"))
+    diff = _desc_difference(recorded, here)
+    assert diff is not None and "runtime.numeric_class: recorded 'bf16-dot', here 'bf16-fma'" in diff
+    assert "SUPERFLUID_BF16_CLASS=bf16-dot" in diff
+    assert _desc_difference({**recorded, "numeric_class": "bf16-fma"}, here) is None

@@ -55,7 +55,8 @@ def test_an_import_of_non_finite_values_is_refused(ckpt):
     head = _EXPORT_HEAD.unpack_from(blob)
     payload = np.frombuffer(blob[_EXPORT_HEAD.size:], dtype=np.float32).copy()
     payload[-1] = np.inf
-    bad = _EXPORT_HEAD.pack(*head[:8], zlib.crc32(payload.tobytes()), head[9]) + payload.tobytes()
+    crc = zlib.crc32(payload.tobytes(), zlib.crc32(_EXPORT_HEAD.pack(*head[:8], 0, head[9])))
+    bad = _EXPORT_HEAD.pack(*head[:8], crc, head[9]) + payload.tobytes()
     z = r.seq_create()
     used = r.mem_counters().cells_used
     with pytest.raises(OutOfBounds, match="non-finite"):
@@ -74,7 +75,8 @@ def test_an_import_from_another_numeric_class_is_refused_by_name(ckpt):
     blob = r.seq_export(x)
     head = _EXPORT_HEAD.unpack_from(blob)
     assert head[9].rstrip(b"\0") == b"fp32"
-    other = _EXPORT_HEAD.pack(*head[:9], b"bf16-dot") + blob[_EXPORT_HEAD.size:]
+    crc = zlib.crc32(blob[_EXPORT_HEAD.size:], zlib.crc32(_EXPORT_HEAD.pack(*head[:8], 0, b"bf16-dot")))
+    other = _EXPORT_HEAD.pack(*head[:8], crc, b"bf16-dot") + blob[_EXPORT_HEAD.size:]
     z = r.seq_create()
     with pytest.raises(OutOfBounds, match="numeric class 'bf16-dot'; this worker computes 'fp32'"):
         r.seq_import(z, other)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from superfluid.kernels import cpu
 from superfluid.kernels.attention import attention_torch, build_batch
@@ -41,7 +42,7 @@ def test_linear_matches_float64(dtype, out, inp):
     w, b = torch.randn(out, inp).to(dtype), torch.randn(out)
     x, base = torch.randn(101, inp), torch.randn(101, out)
     p = cpu.pack(w, b)
-    xs = x.to(torch.bfloat16) if p.numeric_class == "bf16-dot" else x  # that class rounds activations to bf16
+    xs = x.to(torch.bfloat16) if p.numeric_class in ("bf16-dot", "bf16-amx") else x  # those round x to bf16
     ref = xs.double() @ w.double().T + b.double()
     tol = 2e-6 * inp ** 0.5 * 8
     assert (cpu.linear(x, p).double() - ref).abs().max() < tol
@@ -239,3 +240,27 @@ def test_bad_shapes_and_layouts_are_refused_before_the_c_side():
         _attend(q, k, v, [([3], 0, 1)], kp, vp, cos, sin)  # block 3 of 3
     with pytest.raises(ValueError, match="pools"):
         _attend(q, k, v, [([1], 0, 1)], kp, vp.to(torch.bfloat16), cos, sin)
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 6), v=st.integers(1, 70), seed=st.integers(0, 2**16),
+       nan=st.floats(0, 0.5), inf=st.floats(0, 0.3), ties=st.booleans())
+def test_greedy_picks_what_greedy_sampling_picks_and_flags_what_the_step_flags(b, v, seed, nan, inf, ties):
+    """The decode steps' fast path (cpu.greedy) against the sampler it
+    replaces: the same token for every finite row (the first maximum; NaN
+    ranked as -inf), and the same non-finite flag (a NaN, or a max of +-inf)."""
+    from superfluid.kernels.sampling import sample_torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, v, generator=g)
+    if ties:
+        x = x.round()
+    r = torch.rand(b, v, generator=g)
+    x[r < nan] = float("nan")
+    x[(r >= nan) & (r < nan + inf)] = float("inf") if seed % 2 else float("-inf")
+    tok, bad = cpu.greedy(x)
+    assert bad == (~torch.isfinite(x.amax(1))).tolist()
+    want = sample_torch(x.clone(), [0.0] * b, [0] * b, [0.0] * b, [0.0] * b, [0] * b).tolist()
+    assert [t for t, f in zip(tok, bad) if not f] == [t for t, f in zip(want, bad) if not f]
+    if not any(bad):
+        assert tok == want

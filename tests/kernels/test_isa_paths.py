@@ -2,8 +2,10 @@
 
 float32 and the bf16-fma class give the same bits on every path (scalar,
 AVX2, AVX-512); the bf16-dot class gives the same bits natively (vdpbf16ps)
-and by fma on the lower paths. Each path runs here only where the CPU has
-it; a missing one skips naming the flag."""
+and by fma on the lower paths; the bf16-amx class (AMX tiles, its path
+only) is batch and thread invariant and within float32 rounding of its sum.
+Each path runs here only where the CPU has it; a missing one skips naming
+the flag."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from superfluid.kernels import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built")
 
 BEST = cpu.ISA_LEVELS.get(cpu.best_isa(), 0)
-FLAG = {"avx2": "avx2 and fma", "avx512": "avx512f/dq/bw/vl", "avx512-bf16": "avx512_bf16"}
+FLAG = {"avx2": "avx2 and fma", "avx512": "avx512f/dq/bw/vl", "avx512-bf16": "avx512_bf16",
+        "amx-bf16": "amx_bf16 and amx_tile with the OS's tile state (or its kernel failed its check)"}
 
 
 def need(path: str) -> None:
@@ -33,10 +36,11 @@ def on(level: int, fn):
 
 
 CLASSES = [(torch.float32, None), (torch.bfloat16, "bf16-fma"), (torch.bfloat16, "bf16-dot")]
+AMX = cpu.ISA_LEVELS["amx-bf16"] <= BEST
 
 
 @pytest.mark.parametrize("dtype,numeric", CLASSES)
-@pytest.mark.parametrize("path", ["avx512", "avx512-bf16"])
+@pytest.mark.parametrize("path", ["avx512", "avx512-bf16", "amx-bf16"])
 def test_each_class_gives_the_same_bits_on_every_path(dtype, numeric, path):
     need(path)
     torch.manual_seed(5)
@@ -61,19 +65,22 @@ def test_the_classes_differ():
     assert (fma - dot).abs().max() < 0.5  # the same product, to bf16's precision
 
 
-@pytest.mark.parametrize("numeric", ["bf16-fma", "bf16-dot"])
+@pytest.mark.parametrize("numeric", ["bf16-fma", "bf16-dot", "bf16-amx"])
 def test_a_class_matches_its_definition_in_float64(numeric):
+    if numeric == "bf16-amx":
+        need("amx-bf16")
     torch.manual_seed(7)
     w, b, x = torch.randn(300, 777).to(torch.bfloat16), torch.randn(300), torch.randn(33, 777)
     got = cpu.linear(x, cpu.pack(w, b, numeric=numeric)).double()
-    xs = x.to(torch.bfloat16) if numeric == "bf16-dot" else x  # the dot class rounds activations to bf16
+    xs = x.to(torch.bfloat16) if numeric != "bf16-fma" else x  # dot and amx round activations to bf16
     ref = xs.double() @ w.double().T + b.double()
     assert (got - ref).abs().max() < 2e-6 * 777 ** 0.5 * 8
 
 
 @settings(max_examples=25, deadline=None)
 @given(out=st.integers(1, 80), inp=st.integers(1, 300), n=st.integers(1, 40), threads=st.integers(1, 3),
-       cls=st.sampled_from(CLASSES), parts=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+       cls=st.sampled_from(CLASSES + ([(torch.bfloat16, "bf16-amx")] if AMX else [])),
+       parts=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_rows_are_batch_thread_and_path_invariant_within_a_class(out, inp, n, threads, cls, parts, seed):
     dtype, numeric = cls
     inp = inp * parts
@@ -88,10 +95,24 @@ def test_rows_are_batch_thread_and_path_invariant_within_a_class(out, inp, n, th
         full = run(x)
         at = n // 2
         assert torch.equal(run(x[at:at + 1])[:, 0], full[:, at])
-        for lower in range(BEST):
-            assert torch.equal(on(lower, lambda: run(x)), full), cpu.ISA_NAMES[lower]
+        if numeric != "bf16-amx":  # (that class has one path)
+            for lower in range(BEST):
+                assert torch.equal(on(lower, lambda: run(x)), full), cpu.ISA_NAMES[lower]
     finally:
         cpu.set_threads(before)
+
+
+def test_the_amx_class_runs_on_its_path_only():
+    if not AMX:
+        with pytest.raises(ValueError, match="runs only on the amx-bf16 path"):
+            cpu.set_bf16_class("bf16-amx")
+        need("amx-bf16")
+    torch.manual_seed(8)
+    p = cpu.pack(torch.randn(40, 96).to(torch.bfloat16), numeric="bf16-amx")
+    x = torch.randn(3, 96)
+    with pytest.raises(RuntimeError, match="only on the amx-bf16 path"):
+        on(cpu.ISA_LEVELS["avx512-bf16"], lambda: cpu.linear(x, p))
+    assert torch.isfinite(cpu.linear(x, p)).all()
 
 
 def test_a_path_above_the_cpu_or_unknown_is_refused_by_name():
@@ -123,4 +144,5 @@ def test_the_class_follows_the_path_unless_pinned():
         cpu.force_isa(None)
         cpu.set_bf16_class(None)
     assert cpu.numeric_class(torch.float32) == "fp32"
-    assert cpu.bf16_class() == ("bf16-dot" if cpu.ISA_LEVELS["avx512-bf16"] <= BEST else "bf16-fma")
+    assert cpu.bf16_class() == ("bf16-amx" if AMX else
+                                "bf16-dot" if cpu.ISA_LEVELS["avx512-bf16"] <= BEST else "bf16-fma")
