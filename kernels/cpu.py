@@ -385,9 +385,10 @@ def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("embed: the table must be a contiguous float32/bfloat16 matrix")
     n, d = ids.shape[0], table.shape[1]
     out = torch.empty((n, d), dtype=torch.float32)
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
+    rc = lib.sf_embed(_v(table), int(table.dtype == torch.bfloat16), d, table.shape[0], _i64(ids), n, _f(out))
+    if rc == -3:  # (checked in C: two torch reductions cost more than the gather at batch 1)
         raise IndexError("embed: a token outside the table")
-    _check(lib.sf_embed(_v(table), int(table.dtype == torch.bfloat16), d, _i64(ids), n, _f(out)), "sf_embed")
+    _check(rc, "sf_embed")
     return out
 
 
@@ -401,6 +402,9 @@ class StepLayout:
     feed_of: torch.Tensor  # int64 [n]
     tables: torch.Tensor  # int64 [feeds, width]
     page: int
+    # (max position, max cell, max block id) when known (step_layout: from numpy, a few us
+    # a step cheaper than three torch reductions); None: _check_pools takes them
+    bounds: tuple[int, int, int] | None = None
 
 
 def step_layout(feeds: list[tuple[list[int], int, int]], page: int) -> StepLayout:
@@ -408,8 +412,9 @@ def step_layout(feeds: list[tuple[list[int], int, int]], page: int) -> StepLayou
     from superfluid.kernels.attention import token_layout
 
     _, _, _, table, feed_of, positions, cells = token_layout(feeds, page)
+    bounds = (int(positions.max()), int(cells.max()), int(table.max())) if positions.size else None
     return StepLayout(torch.from_numpy(positions), torch.from_numpy(cells), torch.from_numpy(feed_of),
-                      torch.from_numpy(table), page)
+                      torch.from_numpy(table), page, bounds)
 
 
 @_profiled
@@ -427,8 +432,10 @@ def _check_pools(layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor,
         if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim // 2:
             raise ValueError(f"attention: rope tables must be contiguous float32 [positions, {head_dim // 2}]")
     cells = shape[1] * shape[2]
-    if layout.positions.numel() and (int(layout.positions.max()) >= cos.shape[0]
-                                     or int(layout.cells.max()) >= cells or int(layout.tables.max()) >= shape[1]):
+    if not layout.positions.numel():
+        return
+    top = layout.bounds or (int(layout.positions.max()), int(layout.cells.max()), int(layout.tables.max()))
+    if top[0] >= cos.shape[0] or top[1] >= cells or top[2] >= shape[1]:
         raise ValueError("attention: a position past the rope tables or a cell outside the pool")
 
 

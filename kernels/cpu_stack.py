@@ -46,6 +46,8 @@ class Stack:
             n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
             wtype=wtypes.pop() if wtypes else 0, eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
         self._pool = None
+        self._scratch_n = -1
+        self._scratch_bufs: tuple[torch.Tensor, ...] = ()
         self.comm_s = 0.0
 
     def _attach(self, k_pools, v_pools) -> None:
@@ -73,12 +75,18 @@ class Stack:
         self._attach(k_pools, v_pools)
 
     def _scratch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A step's buffers for the kernels between layers: h, qkv, att, gu, act, parts."""
+        """A step's buffers for the kernels between layers: h, qkv, att, gu, act, parts
+        (kept while steps of up to 64 tokens have the same width: decode steps allocate
+        nothing, and a long prefill's buffers are not held after it)."""
         hidden, nh, nkv, hd, inter = self.shape
         n = x.shape[0]
-        return (x.new_empty((n, max(hidden, nh * hd))), x.new_empty((n, (nh + 2 * nkv) * hd)),
+        if self._scratch_n == n:
+            return self._scratch_bufs
+        bufs = (x.new_empty((n, max(hidden, nh * hd))), x.new_empty((n, (nh + 2 * nkv) * hd)),
                 x.new_empty((n, nh * hd)), x.new_empty((n, 2 * inter)), x.new_empty((n, inter)),
                 x.new_empty((self.parts, n, hidden)))
+        self._scratch_n, self._scratch_bufs = (n, bufs) if n <= 64 else (-1, ())
+        return bufs
 
     @_profiled
     def forward(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools) -> torch.Tensor:

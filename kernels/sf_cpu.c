@@ -447,8 +447,11 @@ int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const i
 
 /* ---------------------------------------------------------- embedding */
 
-/* out[t] = table[ids[t]] as float32 (table float32 or bf16), rows of d. */
-int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, float *out) {
+/* out[t] = table[ids[t]] as float32 (table float32 or bf16, `rows` rows of
+ * d); -3, nothing written, when an id is outside the table. */
+int sf_embed(const void *table, int bf16, int d, long rows, const int64_t *ids, int n, float *out) {
+    for (int t = 0; t < n; t++)
+        if (ids[t] < 0 || ids[t] >= rows) return -3;
     for (int t = 0; t < n; t++) {
         if (bf16) {
             const uint16_t *r = (const uint16_t *)table + ids[t] * (long)d;

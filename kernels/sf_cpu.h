@@ -56,7 +56,7 @@ int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const i
                  const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, const float *cos,
                  const float *sin, const float *qn, const float *kn, float eps, void *kp, void *vp, int kv_bf16,
                  long head_stride, int page, float scale, float *out, long ldo, int nthreads);
-int sf_embed(const void *table, int bf16, int d, const int64_t *ids, int n, float *out);
+int sf_embed(const void *table, int bf16, int d, long rows, const int64_t *ids, int n, float *out);
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads);

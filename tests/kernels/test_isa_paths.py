@@ -146,3 +146,23 @@ def test_the_class_follows_the_path_unless_pinned():
     assert cpu.numeric_class(torch.float32) == "fp32"
     assert cpu.bf16_class() == ("bf16-amx" if AMX else
                                 "bf16-dot" if cpu.ISA_LEVELS["avx512-bf16"] <= BEST else "bf16-fma")
+
+
+def test_the_dot_class_rounds_activations_as_torch_does_on_every_path():
+    """x through an identity in the bf16-dot class is x rounded to bf16 (ties
+    to even; denormals taken as zero, as vdpbf16ps takes them): the vector
+    conversion of every path against torch's."""
+    torch.manual_seed(9)
+    k = 40
+    base = (torch.randn(6, k) * torch.logspace(-30, 30, k)).to(torch.bfloat16).float()  # on the bf16 grid
+    ulp = torch.tensor(2.0).pow(torch.floor(torch.log2(base.abs())) - 7)  # a bf16 ulp of each value
+    x = torch.cat([base, base + ulp / 2, base - ulp / 2, torch.full((1, k), 1e-39)])  # exact ties, denormals
+    assert not torch.equal(x[6:12].to(torch.bfloat16).float(), base)  # some ties round away from base
+    want = x.to(torch.bfloat16).float()
+    want = torch.where(want.abs() < 2.0 ** -126, torch.zeros_like(want), want)
+    p = cpu.pack(torch.eye(k, dtype=torch.bfloat16), numeric="bf16-dot")
+    for level in range(BEST + 1):
+        if level == cpu.ISA_LEVELS["amx-bf16"]:
+            continue  # (the dot class runs on vdpbf16ps there)
+        got = on(level, lambda: cpu.linear(x, p))
+        assert torch.equal(got.abs(), want.abs()), cpu.ISA_NAMES[level]
