@@ -123,10 +123,10 @@ def check(args: argparse.Namespace, machine: Machine | None = None) -> Checked:
     if args.workers * here > OVERSUBSCRIBED * machine.cores:
         raise Refused(f"--tp {args.tp}: {args.workers} worker(s) of {here} rank processes each here, more than "
                       f"{OVERSUBSCRIBED} per core of the {machine.cores} this machine gives the daemon")
-    from superfluid.kernels import cpu
+    from superfluid.kernels import isa
 
-    if cpu.ENV_ERROR:
-        raise Refused(cpu.ENV_ERROR)
+    if isa.ENV_ERROR:
+        raise Refused(isa.ENV_ERROR)
     if 0 < getattr(args, "tick_timeout", 0) < 1:
         raise Refused(f"--tick-timeout {args.tick_timeout}: at least 1 s (a loop may pause that long without "
                       f"hanging), or 0 for no watchdog")

@@ -52,6 +52,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ import numpy as np
 import torch
 
 from superfluid.bench import peers as peer_runs, system
+from superfluid.bench.engine_isa import isa_key, isa_list, isa_names, isa_runs
+from superfluid.bench.roofline import PER_BATCH, g4, rates, weight_bytes
 
 BATCHES = (1, 8, 32, 64)
 CUDA_BATCHES = (1, 8, 32, 64, 128)
@@ -68,8 +71,6 @@ QWEN_05B: dict[str, Any] = dict(arch="qwen2", vocab_size=32000, hidden_size=896,
                                 num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=2048,
                                 tie_word_embeddings=True, dtype="bfloat16")
 _KEYS = ("decode_tok_s", "hf_decode_tok_s", "prefill_tok_s", "hf_prefill_tok_s", "decode_speedup_vs_hf")
-# Per batch, besides _KEYS: our decode's GF/s, a decode step's ms, and the floor and peak fractions.
-_PER_BATCH = ("achieved_gflops", "step_ms", "floor_fraction", "peak_fraction")
 
 
 def _cache_root() -> Path:
@@ -104,48 +105,6 @@ def checkpoint(name: str, **params: Any) -> Path:
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def matmul_weights(cfg) -> int:
-    """The weights a token multiplies: every layer's q, k, v, o, gate, up and
-    down projections and the LM head (not the embedding table: one row per
-    token is gathered from it; tied or not, the head is read whole)."""
-    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                 + 3 * cfg.hidden_size * cfg.intermediate_size)
-    return cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
-
-
-def weight_bytes(cfg, dtype: torch.dtype) -> int:
-    """The bytes one decode step must read at least: the matmul weights at
-    `dtype`, once per step whatever the batch (biases, norms and the KV
-    cache left out: small beside them at these contexts)."""
-    return matmul_weights(cfg) * torch.empty((), dtype=dtype).element_size()
-
-
-def decode_flops(cfg, batch: int, prompt_len: int, gen: int) -> float:
-    """Model FLOPs of the G-1 decode steps at `batch`: 2 per matmul weight per
-    token, plus attention's 4 * layers * heads * head_dim per context cell
-    (the s-th step's token sees P + s cells)."""
-    context = sum(prompt_len + s for s in range(1, gen))
-    return batch * (2.0 * matmul_weights(cfg) * (gen - 1)
-                    + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
-
-
-def _g4(x: float) -> float:
-    return float(f"{x:.4g}")
-
-
-def _rates(cfg, prompts: np.ndarray, gen: int, ours: dict[str, Any], peak: float,
-           floor_ms: float) -> dict[str, float | None]:
-    """One batch's figures from a run of ours: tokens/s, the decode's GF/s, a
-    step's ms and how near it came to the memory floor and the GEMM peak."""
-    b, p = prompts.shape
-    gflops = decode_flops(cfg, b, p, gen) / ours["decode_s"] / 1e9
-    step_ms = ours["decode_s"] / max(1, gen - 1) * 1e3
-    return {"prefill_tok_s": round(b * p / ours["prefill_s"], 1),
-            "decode_tok_s": round(b * (gen - 1) / ours["decode_s"], 1),
-            "achieved_gflops": _g4(gflops), "step_ms": _g4(step_ms),
-            "floor_fraction": _g4(floor_ms / step_ms), "peak_fraction": _g4(gflops / peak) if peak else None}
 
 
 def _profile_step(rt, feeds, specs, device: str) -> tuple[str, dict[str, Any]]:
@@ -241,9 +200,9 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
     from superfluid.engine.config import load_config
 
     cfg = load_config(path)
-    res: dict[str, Any] = {k: {} for k in (*_KEYS[:4], "greedy_agreement", *_PER_BATCH)}
+    res: dict[str, Any] = {k: {} for k in (*_KEYS[:4], "greedy_agreement", *PER_BATCH)}
     res["weight_bytes"] = weight_bytes(cfg, dtype)
-    res["floor_ms"] = _g4(res["weight_bytes"] / (read_gbs * 1e9) * 1e3)
+    res["floor_ms"] = g4(res["weight_bytes"] / (read_gbs * 1e9) * 1e3)
     if profile:
         res["profile"] = {}
     taxes: dict[str, float] = {}
@@ -256,7 +215,7 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
         key = str(b)
         tokens[b] = ours["tokens"]
         res["numeric_class"] = ours["numeric_class"]
-        for k, v in _rates(cfg, prompts, gen, ours, peak, res["floor_ms"]).items():
+        for k, v in rates(cfg, prompts, gen, ours, peak, res["floor_ms"]).items():
             res[k][key] = v
         res["hf_prefill_tok_s"][key] = round(b * prompt_len / hf["prefill_s"], 1)
         res["hf_decode_tok_s"][key] = round(b * (gen - 1) / hf["decode_s"], 1)
@@ -281,58 +240,6 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
     return res, tokens
 
 
-def _isa_key(name: str) -> str:
-    from superfluid.kernels import cpu
-
-    try:
-        return cpu.ISA_NAMES[cpu.parse_isa(name)]
-    except ValueError:
-        return name
-
-
-def _isa_runs(names: list[str], path: Path, prompts: dict[int, np.ndarray], gen: int,
-              main_tokens: dict[int, np.ndarray], *, dtype: torch.dtype, peak: float, floor_ms: float,
-              log) -> dict[str, dict[str, Any]]:
-    """Our decode again on each named path of the C kernels, as a process
-    started with SUPERFLUID_ISA=NAME runs: the path forced before the load
-    (weights are packed for it, bf16 in the class it implies unless pinned)
-    and the path before it restored after. A path this CPU lacks, or a name
-    we do not know, is that entry's error."""
-    from superfluid.engine.config import load_config
-    from superfluid.kernels import cpu
-
-    cfg = load_config(path)
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        key = _isa_key(name)
-        if not cpu.available():
-            out[key] = {"error": "the C kernels are not built"}
-            continue
-        before = cpu.isa()
-        try:
-            cpu.force_isa(cpu.parse_isa(name))
-        except ValueError as e:
-            out[key] = {"error": str(e)}
-            log(f"isa {key}: {e}")
-            continue
-        try:
-            entry: dict[str, Any] = {k: {} for k in ("decode_tok_s", "prefill_tok_s", *_PER_BATCH,
-                                                     "tokens_equal_main")}
-            for b, batch in prompts.items():
-                ours = _ours(path, batch, gen, True, dtype=dtype, device="cpu", backend="torch")
-                entry["isa"], entry["numeric_class"] = ours["isa"], ours["numeric_class"]
-                for k, v in _rates(cfg, batch, gen, ours, peak, floor_ms).items():
-                    entry[k][str(b)] = v
-                entry["tokens_equal_main"][str(b)] = bool(np.array_equal(ours["tokens"], main_tokens[b]))
-                log(f"isa {key} ({entry['numeric_class']}) batch {b}: decode {entry['decode_tok_s'][str(b)]} "
-                    f"tok/s, floor fraction {entry['floor_fraction'][str(b)]}, "
-                    f"tokens equal the main run's: {entry['tokens_equal_main'][str(b)]}")
-        finally:
-            cpu.force_isa(None if before == cpu.best_isa() else before)
-        out[key] = entry
-    return out
-
-
 def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str, batches: tuple[int, ...],
            prompt_len: int, gen: int, *, device: str, backend: str, tax: bool, profile: bool,
            peers: list[str], peak_n: int, read_gbs: float, isa: list[str], log) -> dict[str, Any]:
@@ -353,14 +260,16 @@ def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str,
             block["peers"] = peer_runs.run_peers(peers, path, dtype, prompts, tokens, gen,
                                                  torch.get_num_threads(), log)
         if name == headline and isa:
-            isa_runs = _isa_runs(isa, path, _prompts(batches, prompt_len, params["vocab_size"]), gen, tokens,
-                                 dtype=dtype, peak=peak, floor_ms=rows["floor_ms"], log=log)
+            runs = isa_runs(isa, path, _prompts(batches, prompt_len, params["vocab_size"]), gen, tokens,
+                            ours=partial(_ours, path, gen=gen, invariant=True, dtype=dtype, device="cpu",
+                                         backend="torch"),
+                            peak=peak, floor_ms=rows["floor_ms"], log=log)
     head = block["models"][headline]
-    for k in (*_KEYS, *_PER_BATCH, "greedy_agreement", "numeric_class", "weight_bytes", "floor_ms",
+    for k in (*_KEYS, *PER_BATCH, "greedy_agreement", "numeric_class", "weight_bytes", "floor_ms",
               *(("profile",) if profile else ())):
         block[k] = head[k]
     if isa:
-        block["isa_runs"] = isa_runs
+        block["isa_runs"] = runs
     if tax:
         by_batch = head.get("invariance_tax_by_batch", {})
         block["invariance_tax"] = by_batch.get("32", max(by_batch.values()) if by_batch else None)
@@ -428,7 +337,7 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
     result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches),
                           "dtypes": [str(DTYPES[d]).removeprefix("torch.") for d in dtypes],
                           "headline_model": headline, "mamba2": mamba2 and not cuda,
-                          "isa": [] if cuda else [_isa_key(n) for n in isa]}
+                          "isa": [] if cuda else [isa_key(n) for n in isa]}
     result["python"] = platform.python_version()
     result["torch"] = torch.__version__
     result["cpu_count"] = os.cpu_count()
@@ -478,25 +387,6 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _isa_names() -> list[str]:
-    from superfluid.kernels import cpu
-
-    return list(cpu.ISA_NAMES.values())
-
-
-def _isa_list(text: str) -> list[str]:
-    """--isa's names, checked here: a typo fails before the run, not after."""
-    from superfluid.kernels import cpu
-
-    names = [n for n in text.split(",") if n.strip()]
-    for n in names:
-        try:
-            cpu.parse_isa(n)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return names
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="prefill/decode tokens/s vs HF transformers", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -513,9 +403,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="store_true",
                    help="per-op table of one decode step per batch, to stderr")
     p.add_argument("--peers", default="", help="comma-separated: llamacpp,vllm (those installed run)")
-    p.add_argument("--isa", type=_isa_list, default=[], metavar="NAME[,NAME...]",
+    p.add_argument("--isa", type=isa_list, default=[], metavar="NAME[,NAME...]",
                    help="run our decode of the headline model again on these paths of the C kernels "
-                        f"({', '.join(_isa_names())}; CPU only)")
+                        f"({', '.join(isa_names())}; CPU only)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: a ~0.5B model on the triton backend in bf16 vs HF on the GPU")
     p.set_defaults(func=_main)

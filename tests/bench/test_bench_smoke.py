@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from superfluid.bench import engine, gpu_check, peers, tick
+from superfluid.bench import engine, gpu_check, peers, roofline, tick
 from superfluid.cli import main
 
 
@@ -70,7 +70,7 @@ def test_bench_engine_keys(tmp_path, monkeypatch):
         assert ops and all(v["self_cpu_us"] >= 0 and v["count"] >= 1 for v in ops.values()), dtype
         # the memory floor: the tiny's matmul weights at the dtype over the run's read bandwidth
         assert block["read_gbs"] == read["read_gbs"]
-        assert block["weight_bytes"] == engine.matmul_weights(tiny) * (4 if dtype == "float32" else 2)
+        assert block["weight_bytes"] == roofline.matmul_weights(tiny) * (4 if dtype == "float32" else 2)
         assert block["floor_ms"] == pytest.approx(block["weight_bytes"] / block["read_gbs"] / 1e6, rel=1e-3)
         assert block["floor_ms"] > 0
         for b in ("1", "3"):
@@ -126,8 +126,8 @@ def test_weight_bytes_are_the_checkpoints_matmul_weights(tmp_path):
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     n = head.numel() + sum(t.numel() for k, t in tensors.items() if k.endswith("proj.weight"))
     cfg = load_config(ckpt)
-    assert engine.matmul_weights(cfg) == n
-    assert engine.weight_bytes(cfg, torch.float32) == 4 * n and engine.weight_bytes(cfg, torch.bfloat16) == 2 * n
+    assert roofline.matmul_weights(cfg) == n
+    assert roofline.weight_bytes(cfg, torch.float32) == 4 * n and roofline.weight_bytes(cfg, torch.bfloat16) == 2 * n
 
 
 def test_bench_engine_isa_names_are_checked_before_the_run(capsys):
