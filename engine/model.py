@@ -113,12 +113,14 @@ class Model:
         is (rows are widened as they are gathered)."""
         self.cos, self.sin = self.cos.float().contiguous(), self.sin.float().contiguous()
         self.norm = self.norm.float()
-        self.lm_head = cpu.pack(self.lm_head)
+        cls = self.numeric_class  # the class DESCRIBE states is the one the weights are packed in
+        self.lm_head = cpu.pack(self.lm_head, numeric=cls)
         for layer in self.layers:
             for name in _LINEARS:
                 w, b = getattr(layer, name), getattr(layer, name + "_bias")
                 # o and down reduce in fixed pieces at every TP degree (engine/parallel/sharding.py).
-                setattr(layer, name, cpu.pack_parts(w, self.parts, b) if name in _ROW_PARALLEL else cpu.pack(w, b))
+                setattr(layer, name, cpu.pack_parts(w, self.parts, b, numeric=cls) if name in _ROW_PARALLEL
+                        else cpu.pack(w, b, numeric=cls))
                 setattr(layer, name + "_bias", None)
             for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
                 t = getattr(layer, name)

@@ -44,7 +44,7 @@ _EXPORT_MAGIC, _EXPORT_VERSION = b"SFKV", 2
 # magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 (of the header with this field
 # zero, then the payload), the numeric class the cells were computed in (v2: a worker of another
 # class would not continue them bitwise)
-_EXPORT_HEAD = struct.Struct("<4sIIIIIIII24s")
+_EXPORT_HEAD = struct.Struct("<4sIIIIIIII64s")
 
 
 DEFAULT_KV_CELLS, DEFAULT_PAGE, DEFAULT_MAX_BATCH = 16384, 16, 64
@@ -280,10 +280,6 @@ class TransformerRuntime(Runtime):
         if magic != _EXPORT_MAGIC or version != _EXPORT_VERSION or (layers, kvh, hd) != want:
             raise OutOfBounds(f"an export blob of another model or format ({magic!r} v{version}, "
                               f"{layers}x{kvh}x{hd}, expected v{_EXPORT_VERSION} {want[0]}x{want[1]}x{want[2]})")
-        theirs = numeric.rstrip(b"\0").decode("ascii", "replace")
-        if theirs != self.desc.numeric_class:
-            raise OutOfBounds(f"an export blob of numeric class {theirs!r}; this worker computes "
-                              f"{self.desc.numeric_class!r}, so its rows would not continue the blob's bitwise")
         dtype = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}.get(dt)
         if dtype is None:
             raise OutOfBounds(f"an export blob of unknown dtype {dt}")
@@ -295,6 +291,10 @@ class TransformerRuntime(Runtime):
         head0 = _EXPORT_HEAD.pack(magic, version, n, layers, kvh, hd, dt, _page, 0, numeric)
         if zlib.crc32(memoryview(data)[_EXPORT_HEAD.size:], zlib.crc32(head0)) != crc:
             raise OutOfBounds("an export blob whose checksum does not match (corrupted)")
+        theirs = numeric.rstrip(b"\0").decode("ascii", "replace")
+        if theirs != self.desc.numeric_class:
+            raise OutOfBounds(f"an export blob of numeric class {theirs!r}; this worker computes "
+                              f"{self.desc.numeric_class!r}, so its rows would not continue the blob's bitwise")
         if n == 0:
             return 0
         need = self.pool.blocks_for(n)

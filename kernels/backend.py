@@ -22,6 +22,16 @@ from superfluid.kernels.rope import rope_torch
 from superfluid.kernels.swiglu import swiglu_torch
 
 BACKENDS = ("torch", "triton")
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def library_class(lib: str, device: torch.device, dtype: torch.dtype, machine: str) -> str:
+    """A numeric class of arithmetic a library chooses: its name, the device,
+    the dtype and the machine (a CPU capability or a GPU's name), at most 48
+    bytes (a KV export's field holds 64)."""
+    dt = _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+    where = "-".join(machine.split())[:24]
+    return f"{lib}-{device.type}-{dt}@{where}"
 
 
 class Backend:
@@ -44,8 +54,9 @@ class Backend:
     def numeric_class(self, device: torch.device, dtype: torch.dtype) -> str:
         """The arithmetic a model on this backend does (DESCRIBE's `numeric`):
         workers of one class give the same rows. Here: the library's own, which
-        can differ between machines (torch and Triton pick kernels by shape and CPU)."""
-        return f"{self.name}-{device.type}-{'fp32' if dtype == torch.float32 else str(dtype).removeprefix('torch.')}"
+        torch and Triton pick by shape, CPU and GPU, so the class names the
+        machine too (`torch-cpu-fp32@avx512`, `triton-cuda-bf16@NVIDIA-H200`)."""
+        return library_class(self.name, device, dtype, self.isa(device))
 
     def isa(self, device: torch.device) -> str:
         """What the arithmetic runs on: torch's CPU capability, or the GPU."""

@@ -140,7 +140,7 @@ def _vec(t: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
 
 
 def _check(rc: int, what: str) -> None:
-    if rc == -2:
+    if rc == lib.SF_ERR_PATH:
         raise RuntimeError(f"{what}: weights of the bf16-amx class run only on the amx-bf16 path; this process "
                            f"runs {isa()!r}")
     if rc != 0:
@@ -188,6 +188,8 @@ def _wtype(w: torch.Tensor, numeric: str | None) -> int:
     cls = numeric or bf16_class()
     if cls not in BF16_CLASSES:
         raise ValueError(f"pack: unknown bf16 numeric class {cls!r}")
+    if cls == "bf16-amx" and lib.sf_cpu_isa() < ISA_LEVELS["amx-bf16"]:
+        raise ValueError(f"pack: the bf16-amx class runs only on the amx-bf16 path; this process runs {isa()!r}")
     return WTYPES[cls]
 
 

@@ -7,20 +7,22 @@ numeric classes")."""
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 try:
     from superfluid.kernels._cpu import lib
 except ImportError:  # pragma: no cover - a build without the extension
     lib = None
 
+if TYPE_CHECKING:
+    import torch  # (imported where used: serve's checks read this module without a model)
+
 # The kernels' paths, lowest first (sf_cpu.h's SF_ISA_*).
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-bf16", 4: "amx-bf16"}
 ISA_LEVELS = {name: level for level, name in ISA_NAMES.items()}
 # What the CPU offers (SF_FEAT_*), whether a kernel uses it or not.
 FEATURE_NAMES = {1: "avx2+fma", 2: "avx512f/dq/bw/vl", 4: "avx512-bf16", 8: "amx-bf16", 16: "amx-permitted",
-                 32: "amx-verified"}
+                 32: "amx-verified", 64: "avx512-bf16-differs"}
 # The bf16 numeric classes (bf16_class); float32 weights have one, "fp32".
 BF16_CLASSES = ("bf16-fma", "bf16-dot", "bf16-amx")
 WTYPES = {"fp32": 0, "bf16-fma": 1, "bf16-dot": 2, "bf16-amx": 3}  # sf_linear's wtype
@@ -54,6 +56,9 @@ def force_isa(level: int | str | None) -> None:
     if not 0 <= lvl <= lib.sf_cpu_isa_max():
         raise ValueError(f"ISA path {ISA_NAMES.get(lvl, lvl)!r} is above this CPU's best, {best_isa()!r} "
                          f"(its features: {', '.join(features()) or 'none'})")
+    if _bf16_class == "bf16-amx" and lvl < ISA_LEVELS["amx-bf16"]:
+        raise ValueError(f"ISA path {ISA_NAMES[lvl]!r}: the bf16 class is pinned to bf16-amx, which runs only "
+                         f"on the amx-bf16 path")
     lib.sf_cpu_force_isa(lvl)
 
 
@@ -98,6 +103,8 @@ def set_bf16_class(name: str | None) -> None:
 def numeric_class(dtype: torch.dtype) -> str:
     """The numeric class of a model whose linears are `dtype`, on this
     process's kernels: rows agree bitwise between workers of one class."""
+    import torch
+
     return "fp32" if dtype == torch.float32 else bf16_class()
 
 

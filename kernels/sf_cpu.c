@@ -141,19 +141,19 @@ int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int
     int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd, g = m->parts;
     for (int l = 0; l < m->n_layers; l++) {
         const sf_layer *L = &m->layers[l];
-        int rc = sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads);
-        rc |= sf_linear(h, H, n, H, L->qkv, m->wtype, qkvw, L->qkv_b, qkv, qkvw, 0, nthreads);
-        rc |= sf_attention(qkv, qkvw, n, m->nh, m->nkv, m->hd, pos, cells, feed_of, tables, width, m->cos, m->sin,
-                           L->q_norm, L->k_norm, m->eps, L->k_pool, L->v_pool, m->kv_bf16, m->head_stride,
-                           m->page, m->scale, att, q, nthreads);
-        rc |= sf_linear_parts(att, q, n, q / g, g, L->o, m->wtype, H, parts, nthreads);
-        rc |= sf_combine(parts, g, n, H, L->o_b, x, H, nthreads);
-        rc |= sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads);
-        rc |= sf_linear(h, H, n, H, L->gate_up, m->wtype, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0, nthreads);
-        rc |= sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads);
-        rc |= sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, nthreads);
-        rc |= sf_combine(parts, g, n, H, L->down_b, x, H, nthreads);
-        if (rc) return -1;
+        SF_TRY(sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads));
+        SF_TRY(sf_linear(h, H, n, H, L->qkv, m->wtype, qkvw, L->qkv_b, qkv, qkvw, 0, nthreads));
+        SF_TRY(sf_attention(qkv, qkvw, n, m->nh, m->nkv, m->hd, pos, cells, feed_of, tables, width, m->cos, m->sin,
+                            L->q_norm, L->k_norm, m->eps, L->k_pool, L->v_pool, m->kv_bf16, m->head_stride,
+                            m->page, m->scale, att, q, nthreads));
+        SF_TRY(sf_linear_parts(att, q, n, q / g, g, L->o, m->wtype, H, parts, nthreads));
+        SF_TRY(sf_combine(parts, g, n, H, L->o_b, x, H, nthreads));
+        SF_TRY(sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads));
+        SF_TRY(sf_linear(h, H, n, H, L->gate_up, m->wtype, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0,
+                         nthreads));
+        SF_TRY(sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads));
+        SF_TRY(sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, nthreads));
+        SF_TRY(sf_combine(parts, g, n, H, L->down_b, x, H, nthreads));
     }
     return 0;
 }

@@ -34,7 +34,8 @@ enum {
     SF_FEAT_AVX512_BF16 = 4,    /* vdpbf16ps */
     SF_FEAT_AMX_BF16 = 8,       /* AMX tiles with bf16 */
     SF_FEAT_AMX_PERMITTED = 16, /* the OS granted this process the tile state */
-    SF_FEAT_AMX_VERIFIED = 32   /* the tile kernel passed its check in a child process (sf_gemm_wide.c) */
+    SF_FEAT_AMX_VERIFIED = 32,  /* the tile kernel passed its check in a child process (sf_gemm_wide.c) */
+    SF_FEAT_BF16_DIFFERS = 64   /* vdpbf16ps failed its check against the bf16-dot class: not used */
 };
 int sf_cpu_isa(void);
 int sf_cpu_isa_max(void);
@@ -42,8 +43,10 @@ unsigned sf_cpu_features(void);
 void sf_cpu_force_isa(int isa);
 /* The pool's helpers sleep now rather than spin for a next job (sf_pool.c). */
 void sf_pool_park(void);
-/* wtype: how w is packed, 0 float32, 1 bf16, 2 bf16 in pairs (the bf16
- * dot class; sf_gemm.h says each layout). */
+/* wtype: how w is packed, 0 float32, 1 bf16, 2 and 3 bf16 in pairs (the
+ * bf16-dot and bf16-amx classes; sf_gemm.h says each layout). SF_ERR_PATH:
+ * weights of a class the running path cannot compute (bf16-amx below amx). */
+enum { SF_ERR_PATH = -100 };
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads);
 int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,

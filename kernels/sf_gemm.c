@@ -129,7 +129,7 @@ static int run_linear(linear_job *j, int parts, int nthreads) {
     j->per = PANELS_PER_TASK;
     while (parts * j->blocks * ((j->panels + j->per - 1) / j->per) > MAX_TASKS) j->per *= 2; /* the task field */
     j->chunks = (j->panels + j->per - 1) / j->per;
-    if (j->a.wtype == WT_BF16_AMX && j->isa < SF_ISA_AMX_BF16) return -2; /* that class has no other path */
+    if (j->a.wtype == WT_BF16_AMX && j->isa < SF_ISA_AMX_BF16) return SF_ERR_PATH; /* that class has no other path */
     int pairs = j->a.wtype == WT_BF16_PAIRS || j->a.wtype == WT_BF16_AMX;
     task_fn fn = pairs                       ? linear_task_pairs
                  : j->isa >= SF_ISA_AVX512   ? linear_task_avx512

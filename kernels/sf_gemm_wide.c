@@ -19,6 +19,7 @@
 #include "sf_gemm.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -188,15 +189,62 @@ __attribute__((target("avx2,fma"))) static void tile_dp_avx2(const uint16_t *w, 
 }
 #endif
 
-/* The same, one lane at a time (a bf16 product is exact: + rounds once). */
+/* A denormal as a zero of its sign (the class's DAZ and FTZ, in software). */
+static inline float flush(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* The same, one lane at a time: fmaf with the flushes done in software, so
+ * it needs no MXCSR (and gives the class on any CPU). */
 static void tile_dp_scalar(const uint16_t *w, const uint32_t *xb, int kn2, float *acc) {
     for (int k = 0; k < kn2; k++, w += 2 * PANEL) {
-        float xe = bf16_to_f32((uint16_t)(xb[k] & 0xffff)), xo = bf16_to_f32((uint16_t)(xb[k] >> 16));
+        float xe = flush(bf16_to_f32((uint16_t)(xb[k] & 0xffff))), xo = flush(bf16_to_f32((uint16_t)(xb[k] >> 16)));
         for (int i = 0; i < PANEL; i++) {
-            float v = acc[i] + bf16_to_f32(w[2 * i + 1]) * xo;
-            acc[i] = v + bf16_to_f32(w[2 * i]) * xe;
+            float v = flush(fmaf(flush(bf16_to_f32(w[2 * i + 1])), xo, flush(acc[i])));
+            acc[i] = flush(fmaf(flush(bf16_to_f32(w[2 * i])), xe, v));
         }
     }
+}
+
+/* vdpbf16ps against the class's fma form on a probe, in process (the
+ * instruction cannot fault where cpuid has it): a CPU or an emulator whose
+ * instruction rounds otherwise runs the fma form instead. */
+int sf_dp_verify(void) {
+#if SF_X86
+    enum { T = 3, K2 = 40, N = 2 * PANEL };
+    static uint16_t w[2][K2 * 2 * PANEL];
+    static uint32_t xb[T * K2];
+    static float native[T * N], by_fma[T * N];
+    uint32_t s = 777;
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < K2 * 2 * PANEL; i++) {
+            s = s * 1103515245u + 12345u; /* sign, exponent 2^-20..2^20, 7 mantissa bits */
+            w[p][i] = (uint16_t)(((s >> 31) << 15) | ((107 + (s >> 20) % 41) << 7) | ((s >> 8) & 0x7f));
+        }
+    for (int i = 0; i < T * K2; i++) {
+        uint32_t v[2];
+        for (int h = 0; h < 2; h++) {
+            s = s * 1103515245u + 12345u;
+            v[h] = ((s >> 31) << 15) | ((107 + (s >> 20) % 41) << 7) | ((s >> 8) & 0x7f);
+        }
+        xb[i] = v[0] | v[1] << 16;
+    }
+    memset(native, 0, sizeof native);
+    memset(by_fma, 0, sizeof by_fma);
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr((csr & ~0x6000u) | 0x8040u);
+    TILES_DP[1][T](w[0], w[1], xb, K2, K2, native, N);
+    for (int p = 0; p < 2; p++)
+        for (int t = 0; t < T; t++) tile_dp_avx2(w[p], xb + t * K2, K2, by_fma + t * N + p * PANEL);
+    _mm_setcsr(csr);
+    return memcmp(native, by_fma, sizeof native) == 0;
+#else
+    return 0;
+#endif
 }
 
 /* ------------------------------------------------ the bf16-amx class (AMX) */
@@ -210,7 +258,17 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-static _Thread_local int t_cfg_m = -1, t_cfg_k = -1; /* this thread's tile shapes, loaded */
+/* The tile shapes this thread loaded, within one task: a task starts by
+ * forgetting them (another library may have configured or released the
+ * tiles since) and ends by releasing the tiles. */
+static _Thread_local int t_cfg_m = -1, t_cfg_k = -1;
+
+static void amx_begin(void) { t_cfg_m = t_cfg_k = -1; }
+
+__attribute__((target("amx-tile"))) static void amx_end(void) {
+    _tile_release();
+    t_cfg_m = t_cfg_k = -1;
+}
 
 __attribute__((target("amx-tile"))) static void amx_shape(int m, int k2) {
     if (t_cfg_m == m && t_cfg_k == k2) return;
@@ -251,13 +309,13 @@ __attribute__((target("amx-tile,amx-bf16"))) static void tile_amx(const uint16_t
 }
 
 /* The check sf_amx_verify runs: 2 panels x K = 77 (pairs in a full group
- * and a tail), 16 tokens and one alone, against float64 sums; the row
- * alone must equal the row in the tile bit for bit. */
+ * and a tail), 16 tokens, then one alone, then 16 again, against float64
+ * sums; the row alone and the second pass must equal the first bit for bit. */
 static int amx_probe(void) {
     enum { T = 16, K2 = 39, N = 2 * PANEL };
     static uint16_t w[2][K2 * 2 * PANEL];
     static uint32_t xb[T * K2];
-    static float acc[T * N], one[N];
+    static float acc[T * N], again[T * N], one[N];
     uint32_t s = 12345;
     for (int p = 0; p < 2; p++)
         for (int i = 0; i < K2 * 2 * PANEL; i++) {
@@ -272,11 +330,14 @@ static int amx_probe(void) {
         xb[i] = lo | (uint32_t)hi << 16;
     }
     memset(acc, 0, sizeof acc);
+    memset(again, 0, sizeof again);
     memset(one, 0, sizeof one);
-    t_cfg_m = t_cfg_k = -1;
+    amx_begin();
     tile_amx(w[0], w[1], 2, T, xb, K2, K2, acc, N);
-    t_cfg_m = t_cfg_k = -1;
-    tile_amx(w[0], w[1], 2, 1, xb + 5 * K2, K2, K2, one, N);
+    tile_amx(w[0], w[1], 2, 1, xb + 5 * K2, K2, K2, one, N); /* another shape: reconfigured */
+    tile_amx(w[0], w[1], 2, T, xb, K2, K2, again, N);        /* and back */
+    amx_end();
+    if (memcmp(again, acc, sizeof acc) != 0) return 0;
     for (int t = 0; t < T; t++)
         for (int o = 0; o < N; o++) {
             const uint16_t *wp = w[o / PANEL] + (o % PANEL) * 2;
@@ -298,12 +359,13 @@ int sf_amx_verify(void) {
     pid_t pid = fork();
     if (pid < 0) return 0;
     if (pid == 0) {
+        signal(SIGALRM, SIG_DFL); /* not the parent's handler: a hung probe dies */
         alarm(10);
         _exit(amx_probe() ? 0 : 1);
     }
     int st = 0;
     while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR) return 0;
+        if (errno != EINTR) return 0; /* (ECHILD: SIGCHLD ignored, the status lost: not verified) */
     return WIFEXITED(st) && WEXITSTATUS(st) == 0;
 #else
     return 0;
@@ -367,12 +429,14 @@ void linear_task_pairs(const void *ctx, long task) {
     const uint32_t *xb = j->xb + (part * a.n + b0) * (long)K2;
 #if SF_X86
     unsigned csr = _mm_getcsr();
+    if (a.wtype == WT_BF16_AMX) amx_begin();
 #endif
     for (int g0 = p0; g0 < p1; g0 += GROUP) {
         int gn = p1 - g0 < GROUP ? p1 - g0 : GROUP;
         for (int t = 0; t < bn; t++) memset(acc + t * lda, 0, sizeof(float) * gn * PANEL);
 #if SF_X86
-        _mm_setcsr(csr | 0x8040); /* FTZ and DAZ: the class's denormals (the epilogue's adds keep the caller's) */
+        /* FTZ and DAZ, to nearest even: the class's (the epilogue's adds keep the caller's) */
+        _mm_setcsr((csr & ~0x6000u) | 0x8040u);
 #endif
         for (int k20 = 0; k20 < K2; k20 += BLOCK_K2) {
             int kn2 = K2 - k20 < BLOCK_K2 ? K2 - k20 : BLOCK_K2;
@@ -416,4 +480,7 @@ void linear_task_pairs(const void *ctx, long task) {
 #endif
         for (int gi = 0; gi < gn; gi++) epilogue(&a, acc + gi * PANEL, lda, b0, bn, (g0 + gi) * PANEL);
     }
+#if SF_X86
+    if (a.wtype == WT_BF16_AMX) amx_end();
+#endif
 }

@@ -20,6 +20,16 @@ int sf_cpu_isa(void);
 /* Whether the AMX tile kernel runs and gives sane, row-invariant sums: tried
  * in a child process, so a fault there costs the path, not the process. */
 int sf_amx_verify(void);
+/* Whether vdpbf16ps gives the bf16-dot class's bits here (sf_gemm_wide.c). */
+int sf_dp_verify(void);
+
+/* A layer's kernel call in sf_forward(_tp): the first failure ends the step
+ * (nothing after it runs on a stale buffer), SF_ERR_PATH kept, any other -1. */
+#define SF_TRY(call)                                                                                          \
+    do {                                                                                                      \
+        int rc_ = (call);                                                                                     \
+        if (rc_) return rc_ == SF_ERR_PATH ? SF_ERR_PATH : -1;                                                \
+    } while (0)
 
 /* A job: fn(ctx, task) for task 0..ntasks-1, on up to nthreads threads (sf_pool.c). */
 typedef void (*task_fn)(const void *ctx, long task);

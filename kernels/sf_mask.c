@@ -101,9 +101,9 @@ int sf_greedy(const float *x, long ldx, int B, int V, int64_t *tok, uint8_t *bad
             if (r[i] != r[i]) nan = 1;
             else if (r[i] > m) m = r[i];
         }
-        int at = 0; /* a row of NaN and -inf: its first element, as argmax over NaN -> -inf */
+        int at = 0, low = m == -INFINITY; /* max -inf: a NaN counts as -inf too (argmax over NaN -> -inf) */
         for (int j = 0; j < V; j++)
-            if (r[j] == m) {
+            if (r[j] == m || (low && r[j] != r[j])) {
                 at = j;
                 break;
             }

@@ -37,7 +37,10 @@ static void detect(void) {
     if (ymm && fma && ((b7 >> 5) & 1)) g_features |= SF_FEAT_AVX2;
     /* F, DQ, BW, VL: what the kernels' intrinsics need */
     if (zmm && (g_features & SF_FEAT_AVX2) && (b7 & 0xc0030000u) == 0xc0030000u) g_features |= SF_FEAT_AVX512;
-    if ((g_features & SF_FEAT_AVX512) && ((a71 >> 5) & 1)) g_features |= SF_FEAT_AVX512_BF16;
+    if ((g_features & SF_FEAT_AVX512) && ((a71 >> 5) & 1)) {
+        g_features |= SF_FEAT_AVX512_BF16;
+        if (!sf_dp_verify()) g_features = (g_features & ~(unsigned)SF_FEAT_AVX512_BF16) | SF_FEAT_BF16_DIFFERS;
+    }
     if (tiles && ((d7 >> 22) & 1) && ((d7 >> 24) & 1)) {
         g_features |= SF_FEAT_AMX_BF16;
         /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it a tile load faults */
@@ -48,17 +51,21 @@ static void detect(void) {
 }
 #endif
 
-int sf_cpu_isa_max(void) {
-    if (g_isa < 0) {
+static void decide(void) {
 #if SF_X86
-        detect();
+    detect();
 #endif
-        g_isa = (g_features & SF_FEAT_AMX_VERIFIED)  ? SF_ISA_AMX_BF16
-                : (g_features & SF_FEAT_AVX512_BF16) ? SF_ISA_AVX512_BF16
-                : (g_features & SF_FEAT_AVX512)    ? SF_ISA_AVX512
-                : (g_features & SF_FEAT_AVX2)      ? SF_ISA_AVX2
-                                                   : SF_ISA_SCALAR;
-    }
+    g_isa = (g_features & SF_FEAT_AMX_VERIFIED)    ? SF_ISA_AMX_BF16
+            : (g_features & SF_FEAT_AVX512_BF16) ? SF_ISA_AVX512_BF16
+            : (g_features & SF_FEAT_AVX512)      ? SF_ISA_AVX512
+            : (g_features & SF_FEAT_AVX2)        ? SF_ISA_AVX2
+                                                 : SF_ISA_SCALAR;
+}
+
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+
+int sf_cpu_isa_max(void) {
+    if (g_isa < 0) pthread_once(&isa_once, decide); /* once, even with two first callers (AMX's probe forks) */
     return g_isa;
 }
 
