@@ -50,7 +50,7 @@ from superfluid.engine.runtime import (
     UnknownSequence,
     Vocabulary,
 )
-from superfluid.kernels.backend import library_class
+from superfluid.kernels.backend import library_class, machine
 
 
 def kernels_for(backend: str) -> ModuleType:
@@ -61,12 +61,6 @@ def kernels_for(backend: str) -> ModuleType:
         from superfluid.kernels import ssd_triton
         return ssd_triton
     raise ValueError(f"backend {backend!r}: expected 'torch' or 'triton'")
-
-
-def _machine(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return str(torch.backends.cpu.get_cpu_capability()).lower()
 
 
 DEFAULT_SLOTS = 64  # state slots when neither state_bytes nor max_seqs sizes the pool
@@ -107,8 +101,8 @@ class Mamba2Runtime(Runtime):
             copy_shares_cells=False, takeover_preferred=False, prefill_step_tokens=prefill_step_tokens,
             engine_sampling=False, engine_draws=False, verify_batches=False, exact_only=True,
             # the scan is torch's or Triton's on every path: no promise across machines
-            numeric_class=library_class(f"mamba2-{backend}", dev, torch.float32, _machine(dev)),
-            isa=_machine(dev))
+            numeric_class=library_class(f"mamba2-{backend}", dev, torch.float32, machine(dev)),
+            isa=machine(dev))
         self._vocab = Vocabulary(cfg.vocab_size, frozenset(int(e) for e in eos), dict(specials or {}))
         self._tokenizer_json = tokenizer_json
         pages = -(-max_seq_len // self.PAGE)

@@ -25,6 +25,13 @@ BACKENDS = ("torch", "triton")
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def machine(device: torch.device) -> str:
+    """What a library's arithmetic runs on: torch's CPU capability, or the GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return str(torch.backends.cpu.get_cpu_capability()).lower()
+
+
 def library_class(lib: str, device: torch.device, dtype: torch.dtype, machine: str) -> str:
     """A numeric class of arithmetic a library chooses: its name, the device,
     the dtype and the machine (a CPU capability or a GPU's name), at most 48
@@ -60,9 +67,7 @@ class Backend:
 
     def isa(self, device: torch.device) -> str:
         """What the arithmetic runs on: torch's CPU capability, or the GPU."""
-        if device.type == "cuda":
-            return torch.cuda.get_device_name(device)
-        return str(torch.backends.cpu.get_cpu_capability()).lower()
+        return machine(device)
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_b: torch.Tensor | None, down: torch.Tensor,
             down_b: torch.Tensor | None) -> torch.Tensor:
@@ -122,7 +127,7 @@ class CpuBackend(Backend):
         return self.cpu.step_layout(feeds, page)
 
     def numeric_class(self, device: torch.device, dtype: torch.dtype) -> str:
-        return self.cpu.numeric_class(dtype)  # fp32, bf16-fma or bf16-dot: the same on any x86 CPU
+        return self.cpu.numeric_class(dtype)  # fp32, bf16-fma, bf16-dot (any x86 CPU) or bf16-amx
 
     def isa(self, device: torch.device) -> str:
         return self.cpu.isa()
