@@ -24,7 +24,7 @@ from superfluid.engine.parallel.sharding import Shard, reduction_parts
 from superfluid.engine.rope_scaling import rope_cos_sin
 from superfluid.kernels.attention import AttnBatch, heads_major
 from superfluid.kernels.backend import Backend
-from superfluid.kernels.cpu_stack import Stack
+from superfluid.kernels.cpu_stack import Stack, in_huge_pages
 
 _LINEARS = ("qkv", "o", "gate_up", "down")
 _ROW_PARALLEL = ("o", "down")
@@ -126,10 +126,12 @@ class Model:
                 t = getattr(layer, name)
                 if t is not None:
                     setattr(layer, name, t.float().contiguous())
+        self._weights_map = in_huge_pages([getattr(L, n) for L in self.layers for n in _LINEARS] + [self.lm_head])
         cfg = self.cfg
         self.stack = Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                scale=self.scale, cos=self.cos, sin=self.sin)
+        self.stack.set_head(self.norm.contiguous(), self.lm_head)
 
     def close(self) -> None:
         """Nothing to release but memory (a tensor-parallel leader stops its group)."""
@@ -179,9 +181,10 @@ class Model:
                 if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
                     raise ValueError("the CPU kernels need a heads-major KV pool")
                 self._pools = (key, ks, vs)
-            self.stack.forward(x, lay, self._pools[1], self._pools[2])
-        else:
-            self._layers_cpu(x, lay, k_cache, v_cache)
+            if rows is not None and rows.shape[0] == x.shape[0]:
+                rows = None  # as many rows as tokens: every row, in order
+            return self.stack.forward_head(x, lay, self._pools[1], self._pools[2], rows)
+        self._layers_cpu(x, lay, k_cache, v_cache)
         if rows is not None and rows.shape[0] != x.shape[0]:  # as many rows as tokens: every row, in order
             x = x[rows]
         return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)

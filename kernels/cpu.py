@@ -151,7 +151,7 @@ def _check(rc: int, what: str) -> None:
 class Packed:
     """A linear layer's weight [out, in] packed for sf_linear, and its bias."""
 
-    w: torch.Tensor  # [parts * panels, in / parts, PANEL], float32 or bfloat16
+    w: torch.Tensor  # [panels * parts, in / parts, PANEL] (pairs: [.., in / parts / 2, PANEL, 2]), float32 or bf16
     out: int
     inp: int
     bias: torch.Tensor | None  # float32 [out]
@@ -205,15 +205,18 @@ def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None, *,
                numeric: str | None = None) -> Packed:
     """A weight [out, in] whose reduction runs as `parts` pieces of in / parts
     inputs (linear_parts, then combine): each piece packed as `pack` does,
-    one after another."""
+    a panel's pieces side by side."""
     wtype = _wtype(w, numeric)
     out, inp = w.shape
     if parts < 1 or inp % parts:
         raise ValueError(f"pack_parts: {inp} inputs do not split into {parts} pieces")
     step = inp // parts
     pieces = [_pack_w(w[:, i * step:(i + 1) * step].contiguous(), wtype >= 2) for i in range(parts)]
-    return Packed(torch.cat(pieces).contiguous(), out, inp, None if bias is None else bias.float().contiguous(),
-                  parts, wtype)
+    # each panel's pieces one after another ([panel][piece][...]): a decode step reads a panel's
+    # whole reduction as one stream
+    packed = torch.stack(pieces, 1)
+    return Packed(packed.reshape(-1, *packed.shape[2:]).contiguous(), out, inp,
+                  None if bias is None else bias.float().contiguous(), parts, wtype)
 
 
 @_profiled
@@ -381,3 +384,4 @@ def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_poo
                             int(k_pool.dtype == torch.bfloat16), head_stride, layout.page, scale, _f(out),
                             out.stride(0), _threads()), "sf_attention")
     return out
+

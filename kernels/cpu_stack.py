@@ -14,6 +14,37 @@ from superfluid.kernels.cpu import StepLayout, _check, _check_pools, _f, _i64, _
 TP_CHUNK_BYTES = 512 << 10
 
 
+def in_huge_pages(packs: list) -> object | None:
+    """Moves the packed weights into one mapping the kernel may back with
+    2 MiB pages (transparent huge pages, madvise): a batch-1 step streams
+    every weight, and in 4 KiB pages that walks ~20k pages a step, evicting
+    the TLB entries of everything else (~3-5% of a small model's decode step
+    here). Returns the mapping (keep it with the weights), or None where no
+    such mapping can be had (the weights stay where they are)."""
+    import mmap
+
+    align = 2 << 20
+    sizes = [-(-p.w.numel() * p.w.element_size() // 64) * 64 for p in packs]
+    try:
+        m = mmap.mmap(-1, sum(sizes) + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError, AttributeError):  # no memory for a second copy now, or no anonymous mmap
+        return None
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP off: ordinary pages, still one mapping
+    buf = torch.frombuffer(m, dtype=torch.uint8)
+    at = (-buf.data_ptr()) % align
+    for p, size in zip(packs, sizes):
+        nbytes = p.w.numel() * p.w.element_size()
+        w = buf[at:at + nbytes].view(p.w.dtype).view(p.w.shape)
+        w.copy_(p.w)
+        p.w = w
+        at += size
+    return m
+
+
 class Stack:
     """Every decoder layer's weights as sf_forward takes them, built once at
     load; `run` is one call into C a step for all layers (at batch 1 the
@@ -46,6 +77,7 @@ class Stack:
             n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
             wtype=wtypes.pop() if wtypes else 0, eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
         self._pool = None
+        self.head: tuple | None = None
         self._scratch_n = -1
         self._scratch_bufs: tuple[torch.Tensor, ...] = ()
         self.comm_s = 0.0
@@ -99,6 +131,41 @@ class Stack:
                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
                               _f(parts), _threads()), "sf_forward")
         return x
+
+    def set_head(self, norm: torch.Tensor, head) -> None:
+        """The final RMSNorm weight (float32 [hidden]) and the LM head (a
+        cpu.Packed of the layers' class) forward_head ends with."""
+        hidden = self.shape[0]
+        if norm.dtype != torch.float32 or norm.shape != (hidden,) or not norm.is_contiguous():
+            raise ValueError(f"Stack.set_head: the norm must be a contiguous float32 vector of {hidden}")
+        if head.inp != hidden or head.parts != 1 or head.bias is not None or head.wtype != self.model.wtype:
+            raise ValueError("Stack.set_head: the LM head must be packed whole, without bias, in the layers' class, "
+                             f"with {hidden} inputs")
+        self.head = (norm, head)
+
+    @_profiled
+    def forward_head(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+        """forward, then the final norm of the rows wanted (indices into x's
+        tokens; None: every token) and the LM head: float32 logits [rows,
+        vocab], in one call into C."""
+        self._begin(x, layout, k_pools, v_pools, "forward_head")
+        norm, head = self.head
+        n = x.shape[0]
+        if rows is not None:
+            rows = rows.to(torch.int64).contiguous()
+        nrows = n if rows is None else rows.shape[0]
+        logits = x.new_empty((nrows, head.out))
+        h, qkv, att, gu, act, parts = self._scratch(x)
+        t = layout.tables
+        rc = lib.sf_forward_head(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
+                                 _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
+                                 _f(parts), ffi.NULL if rows is None else _i64(rows), nrows, _f(norm), _v(head.w),
+                                 head.out, _f(logits), _threads())
+        if rc == -3:
+            raise IndexError(f"Stack.forward_head: a row outside the step's {n} tokens")
+        _check(rc, "sf_forward_head")
+        return logits
 
     @_profiled
     def forward_tp(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools, comm, timeout_s: float) -> torch.Tensor:

@@ -157,3 +157,30 @@ int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int
     }
     return 0;
 }
+
+/* sf_forward, then the head: the final RMSNorm of the rows wanted (rows:
+ * nrows indices of the step's tokens; NULL: every token, in order) and the
+ * LM head into logits [nrows, vocab]: one call a step, not three (Python
+ * between them runs on a cache the weights just flushed). -3: a row
+ * outside the step. */
+int sf_forward_head(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
+                    const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
+                    float *gu, float *act, float *parts, const int64_t *rows, int nrows, const float *norm,
+                    const void *head, int vocab, float *logits, int nthreads) {
+    int H = m->hidden;
+    if (rows) {
+        if (nrows > n) return -3;
+        for (int i = 0; i < nrows; i++)
+            if (rows[i] < 0 || rows[i] >= n) return -3;
+    } else if (nrows != n && nrows != 0) {
+        return -3;
+    }
+    SF_TRY(sf_forward(m, x, n, pos, cells, feed_of, tables, width, h, qkv, att, gu, act, parts, nthreads));
+    if (nrows == 0) return 0;
+    if (rows) /* row by row (a norm's row depends on that row only) */
+        for (int i = 0; i < nrows; i++)
+            SF_TRY(sf_rmsnorm(x + rows[i] * H, H, 1, H, norm, m->eps, h + (long)i * H, H, 1));
+    else
+        SF_TRY(sf_rmsnorm(x, H, n, H, norm, m->eps, h, H, nthreads));
+    return sf_linear(h, H, nrows, H, head, m->wtype, vocab, NULL, logits, vocab, 0, nthreads);
+}

@@ -15,8 +15,8 @@ typedef struct {
     void *k_pool, *v_pool;
 } sf_layer;
 
-/* parts: the pieces o and down reduce over (sf_linear_parts); their weights
- * are packed piece after piece. wtype: the linears' packing (sf_linear's). */
+/* parts: the pieces o and down reduce over (sf_linear_parts; each panel's
+ * pieces side by side). wtype: the linears' packing (sf_linear's). */
 typedef struct {
     int n_layers, hidden, nh, nkv, hd, inter, parts, wtype, kv_bf16, page;
     long head_stride;
@@ -63,6 +63,10 @@ int sf_embed(const void *table, int bf16, int d, long rows, const int64_t *ids, 
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads);
+int sf_forward_head(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
+                    const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
+                    float *gu, float *act, float *parts, const int64_t *rows, int nrows, const float *norm,
+                    const void *head, int vocab, float *logits, int nthreads);
 int sf_greedy(const float *x, long ldx, int B, int V, int64_t *tok, uint8_t *bad);
 int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
                      int n, float *out, long ldo);

@@ -86,48 +86,65 @@ typedef void (*tile_fn)(const void *, const float *, long, int, float *);
 static const tile_fn TILES[2][TILE_T + 1] = {{0, tf1, tf2, tf3, tf4, tf5, tf6}, {0, tb1, tb2, tb3, tb4, tb5, tb6}};
 #endif
 
-/* Task: a block of BLOCK_T tokens x `per` panels of one reduction part. */
+/* Task: a block of BLOCK_T tokens x `per` panels of its parts. */
 static void linear_task(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
-    gemm_args pa;
-    const gemm_args *a = &pa;
-    int b0, bn, p0, p1;
-    task_share(j, task, &pa, &b0, &bn, &p0, &p1);
+    int b0, bn, p0, p1, q0, q1;
+    task_share(j, task, &b0, &bn, &p0, &p1, &q0, &q1);
     float acc[BLOCK_T * PANEL];
     float wf[BLOCK_K * PANEL]; /* a bf16 slice widened once for all its tiles (exact) */
-    int K = a->K, bf16 = a->wtype == WT_BF16;
-    for (int p = p0; p < p1; p++) {
-        memset(acc, 0, sizeof(float) * bn * PANEL);
-        for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
-            int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
-            long at = ((long)p * K + k0) * PANEL;
-            const void *ws = bf16 ? (const void *)((const uint16_t *)a->w + at) : (const void *)((const float *)a->w + at);
-            int wide = bf16 && bn > TILE_T;
-            if (wide) {
-                const uint16_t *src = (const uint16_t *)ws;
-                for (int i = 0; i < kn * PANEL; i++) wf[i] = bf16_to_f32(src[i]);
-                ws = wf;
-            }
-            for (int t0 = 0; t0 < bn; t0 += TILE_T) {
-                int tn = bn - t0 < TILE_T ? bn - t0 : TILE_T;
-                const float *xs = a->x + (long)(b0 + t0) * a->ldx + k0;
-#if SF_X86
-                if (j->isa >= 1) {
-                    TILES[bf16 && !wide][tn](ws, xs, a->ldx, kn, acc + t0 * PANEL);
-                    continue;
+    int K = j->a.K, bf16 = j->a.wtype == WT_BF16;
+    for (int p = p0; p < p1; p++)
+        for (int q = q0; q < q1; q++) {
+            gemm_args pa = part_args(j, q);
+            const gemm_args *a = &pa;
+            memset(acc, 0, sizeof(float) * bn * PANEL);
+            for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
+                int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
+                const void *ws = panel_at(a, p, k0);
+                int wide = bf16 && bn > TILE_T;
+                if (wide) {
+                    const uint16_t *src = (const uint16_t *)ws;
+                    for (int i = 0; i < kn * PANEL; i++) wf[i] = bf16_to_f32(src[i]);
+                    ws = wf;
                 }
+                for (int t0 = 0; t0 < bn; t0 += TILE_T) {
+                    int tn = bn - t0 < TILE_T ? bn - t0 : TILE_T;
+                    const float *xs = a->x + (long)(b0 + t0) * a->ldx + k0;
+#if SF_X86
+                    if (j->isa >= 1) {
+                        TILES[bf16 && !wide][tn](ws, xs, a->ldx, kn, acc + t0 * PANEL);
+                        continue;
+                    }
 #endif
-                tile_scalar(ws, bf16 && !wide, xs, a->ldx, tn, kn, acc + t0 * PANEL);
+                    tile_scalar(ws, bf16 && !wide, xs, a->ldx, tn, kn, acc + t0 * PANEL);
+                }
             }
+            epilogue(a, acc, PANEL, b0, bn, p * PANEL);
         }
-        epilogue(a, acc, PANEL, b0, bn, p * PANEL);
-    }
 }
 
-static int run_linear(linear_job *j, int parts, int nthreads) {
+/* Weight elements one panel of K inputs takes, packed as wtype. */
+static long panel_elems(int K, int wtype) {
+    return wtype >= WT_BF16_PAIRS ? (long)((K + 1) / 2) * 2 * PANEL : (long)K * PANEL;
+}
+
+static int run_linear(linear_job *j, int nthreads) {
+    int parts = j->parts;
+    j->wpart = panel_elems(j->a.K, j->a.wtype);
+    j->a.ps = parts * j->wpart;
     j->blocks = (j->a.n + BLOCK_T - 1) / BLOCK_T;
     j->per = PANELS_PER_TASK;
-    while (parts * j->blocks * ((j->panels + j->per - 1) / j->per) > MAX_TASKS) j->per *= 2; /* the task field */
+    j->all_parts = j->a.n <= SMALL_N;
+    if (j->all_parts) { /* memory-bound: a task streams at least TASK_BYTES (a short reduction: many panels) */
+        long panel_bytes = j->a.ps * (j->a.wtype == WT_F32 ? 4 : 2);
+        long chunks = (j->panels * panel_bytes + TASK_BYTES - 1) / TASK_BYTES;
+        long per = (j->panels + chunks - 1) / chunks;
+        per = (per + PANELS_PER_TASK - 1) / PANELS_PER_TASK * PANELS_PER_TASK;
+        if (per > j->per) j->per = (int)per;
+    }
+    long spread = j->all_parts ? 1 : parts;
+    while (spread * j->blocks * ((j->panels + j->per - 1) / j->per) > MAX_TASKS) j->per *= 2; /* the task field */
     j->chunks = (j->panels + j->per - 1) / j->per;
     if (j->a.wtype == WT_BF16_AMX && j->isa < SF_ISA_AMX_BF16) return SF_ERR_PATH; /* that class has no other path */
     int pairs = j->a.wtype == WT_BF16_PAIRS || j->a.wtype == WT_BF16_AMX;
@@ -135,38 +152,33 @@ static int run_linear(linear_job *j, int parts, int nthreads) {
                  : j->isa >= SF_ISA_AVX512   ? linear_task_avx512
                                              : linear_task;
     if (pairs && pairs_prepare(j, parts, nthreads)) return -1;
-    sf_parallel(fn, j, parts * j->blocks * j->chunks, nthreads);
+    sf_parallel(fn, j, spread * j->blocks * j->chunks, nthreads);
     free(j->xb);
     return 0;
-}
-
-/* Weight elements a piece of K inputs takes, packed as wtype. */
-static long piece_elems(int panels, int K, int wtype) {
-    return wtype >= WT_BF16_PAIRS ? (long)panels * ((K + 1) / 2) * 2 * PANEL : (long)panels * K * PANEL;
 }
 
 int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, int out, const float *bias,
               float *y, long ldy, int resid, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
     if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
-    linear_job j = {{x, ldx, n, K, out, w, wtype, bias, y, ldy, resid}, (out + PANEL - 1) / PANEL, 0, 0,
-                    sf_cpu_isa(), 0, 0, NULL};
-    return run_linear(&j, 1, nthreads);
+    linear_job j = {{x, ldx, n, K, out, w, wtype, bias, y, ldy, resid, 0}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, 1, 0, 0, NULL};
+    return run_linear(&j, nthreads);
 }
 
 /* The reduction split into `parts` fixed pieces of K inputs each: y[p] =
- * x[:, p K:(p + 1) K] W_p.T, each piece's sums started from zero, W packed
- * piece after piece. A tensor-parallel rank computes its pieces with this
- * and every degree adds the same pieces in the same order (sf_combine), so
- * a row-parallel layer's bits do not depend on how many ranks split it. */
+ * x[:, p K:(p + 1) K] W_p.T, each piece's sums started from zero, each
+ * panel's pieces packed one after another. A tensor-parallel rank computes
+ * its pieces with this and every degree adds the same pieces in the same
+ * order (sf_combine), so a row-parallel layer's bits do not depend on how
+ * many ranks split it. */
 int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,
                     int nthreads) {
     if (n <= 0 || out <= 0) return 0;
     if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
-    linear_job j = {{x, ldx, n, K, out, w, wtype, NULL, y, out, 0}, (out + PANEL - 1) / PANEL, 0, 0,
-                    sf_cpu_isa(), 0, 0, NULL};
-    j.wpart = piece_elems(j.panels, K, wtype);
-    return run_linear(&j, parts, nthreads);
+    linear_job j = {{x, ldx, n, K, out, w, wtype, NULL, y, out, 0, 0}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, parts, 0, 0, NULL};
+    return run_linear(&j, nthreads);
 }
 
 /* y[t, o] = y[t, o] + (((p_0 + p_1) + ...) + p_{g-1}) (+ bias[o]): the pieces
@@ -182,14 +194,18 @@ typedef struct {
 static void combine_task(const void *ctx, long task) {
     const combine_job *j = (const combine_job *)ctx;
     long plane = (long)j->n * j->out;
+    float s[256];
     for (long t = task * j->rows; t < j->n && t < (task + 1) * j->rows; t++) {
         const float *p = j->parts + t * j->out;
         float *y = j->y + t * j->ldy;
-        for (int o = 0; o < j->out; o++) {
-            float s = p[o];
-            for (int c = 1; c < j->g; c++) s = s + p[c * plane + o];
-            if (j->bias) s = s + j->bias[o];
-            y[o] = y[o] + s;
+        for (int o0 = 0; o0 < j->out; o0 += 256) { /* piece by piece over a strip: loops the compiler vectorizes */
+            int m = j->out - o0 < 256 ? j->out - o0 : 256;
+            memcpy(s, p + o0, sizeof(float) * m);
+            for (int c = 1; c < j->g; c++)
+                for (int o = 0; o < m; o++) s[o] = s[o] + p[c * plane + o0 + o];
+            if (j->bias)
+                for (int o = 0; o < m; o++) s[o] = s[o] + j->bias[o0 + o];
+            for (int o = 0; o < m; o++) y[o0 + o] = y[o0 + o] + s[o];
         }
     }
 }

@@ -12,6 +12,8 @@
 #define BLOCK_T 96 /* tokens per cache block (a multiple of the tiles' heights) */
 #define BLOCK_K 256 /* reduction steps per cache block */
 #define PANELS_PER_TASK 4
+#define SMALL_N 4 /* tokens up to which a GEMM is a GEMV: memory-bound */
+#define TASK_BYTES (48L << 10) /* weight bytes a memory-bound task streams, at least */
 
 /* How a weight is packed (sf_linear's `wtype`):
  *   F32, BF16: [ceil(out / PANEL)][K][PANEL], rows past out zero;
@@ -19,7 +21,9 @@
  *     steps 2i and 2i+1 of an output side by side (K odd: a zero step
  *     added), for the bf16-dot class (sf_gemm_wide.c);
  *   BF16_AMX: the same layout, for the bf16-amx class (what AMX's tdpbf16ps
- *     computes; only the amx-bf16 path runs it). */
+ *     computes; only the amx-bf16 path runs it).
+ * In parts (sf_linear_parts), each panel's parts one after another: [panel]
+ * [part][...], so a decode step streams a panel's whole reduction at once. */
 enum { WT_F32 = 0, WT_BF16 = 1, WT_BF16_PAIRS = 2, WT_BF16_AMX = 3 };
 
 /* y[t, o] = (sum_k x[t, k] * W[o, k]) (+ bias[o]) (+ y[t, o] when resid). */
@@ -33,33 +37,50 @@ typedef struct {
     float *y;
     long ldy;
     int resid;
+    long ps; /* weight elements from one panel to the next */
 } gemm_args;
 
 typedef struct {
     gemm_args a;
     int panels, chunks, per, isa; /* per: panels a task */
     long blocks; /* token blocks */
-    long wpart; /* weight elements of one reduction part (sf_linear_parts) */
+    int parts; /* reduction parts (sf_linear_parts; 1 for sf_linear) */
+    int all_parts; /* a task takes its panels' every part (few tokens: a panel's parts are one stream) */
+    long wpart; /* weight elements of one part of one panel */
     uint32_t *xb; /* WT_BF16_PAIRS: x as bf16 pairs [parts][n][ceil(K / 2)] */
 } linear_job;
 
-/* A task's share: its part's arguments (part p reads x's columns [p K,
- * (p + 1) K) and writes y + p n ldy), its token block and panel range. */
-static inline void task_share(const linear_job *j, long task, gemm_args *pa, int *b0, int *bn, int *p0,
-                              int *p1) {
-    long per_part = j->blocks * j->chunks, part = task / per_part;
-    *pa = j->a;
+/* A task's share: its token block, its panel range and its parts [q0, q1)
+ * (one part, or all of them when all_parts). */
+static inline void task_share(const linear_job *j, long task, int *b0, int *bn, int *p0, int *p1, int *q0,
+                              int *q1) {
+    long per_part = j->blocks * j->chunks;
+    *q0 = j->all_parts ? 0 : (int)(task / per_part);
+    *q1 = j->all_parts ? j->parts : *q0 + 1;
     task %= per_part;
-    if (part) {
-        pa->x += part * pa->K;
-        pa->w = pa->wtype == WT_F32 ? (const void *)((const float *)pa->w + part * j->wpart)
-                                    : (const void *)((const uint16_t *)pa->w + part * j->wpart);
-        pa->y += part * (long)pa->n * pa->ldy;
-    }
     *b0 = (int)(task / j->chunks) * BLOCK_T;
-    *bn = pa->n - *b0 < BLOCK_T ? pa->n - *b0 : BLOCK_T;
+    *bn = j->a.n - *b0 < BLOCK_T ? j->a.n - *b0 : BLOCK_T;
     *p0 = (int)(task % j->chunks) * j->per;
     *p1 = *p0 + j->per < j->panels ? *p0 + j->per : j->panels;
+}
+
+/* Part q's arguments: it reads x's columns [q K, (q + 1) K), its weights
+ * start wpart elements into each panel's, and it writes y + q n ldy. */
+static inline gemm_args part_args(const linear_job *j, int q) {
+    gemm_args a = j->a;
+    if (q) {
+        a.x += (long)q * a.K;
+        a.w = a.wtype == WT_F32 ? (const void *)((const float *)a.w + q * j->wpart)
+                                : (const void *)((const uint16_t *)a.w + q * j->wpart);
+        a.y += (long)q * a.n * a.ldy;
+    }
+    return a;
+}
+
+/* Panel p's weights from k step k0 (pairs: pair k0) on, of part a. */
+static inline const void *panel_at(const gemm_args *a, int p, long k0) {
+    long at = (long)p * a->ps + k0 * (a->wtype >= WT_BF16_PAIRS ? 2 * PANEL : PANEL);
+    return a->wtype == WT_F32 ? (const void *)((const float *)a->w + at) : (const void *)((const uint16_t *)a->w + at);
 }
 
 /* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y. */

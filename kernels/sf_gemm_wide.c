@@ -70,6 +70,33 @@ __attribute__((always_inline, target(T512))) static inline void tile512(const vo
     }
 }
 
+/* One token x four panels over all of K (a decode step's GEMV): four
+ * chains in flight for the fma's latency; each output's chain as tile512's.
+ * The next panel's weights are `ps` elements on. */
+__attribute__((always_inline, target(T512))) static inline void gemv512(const void *w, long ps, int bf16,
+                                                                     const float *x, int K, float *acc) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    long es = bf16 ? 2 : 4, step = PANEL * es;
+    const char *a = (const char *)w, *b = a + ps * es, *c = b + ps * es, *d = c + ps * es;
+    for (int k = 0; k < K; k++, a += step, b += step, c += step, d += step) {
+        __m512 xb = _mm512_set1_ps(x[k]);
+        c0 = _mm512_fmadd_ps(w16(a, bf16), xb, c0);
+        c1 = _mm512_fmadd_ps(w16(b, bf16), xb, c1);
+        c2 = _mm512_fmadd_ps(w16(c, bf16), xb, c2);
+        c3 = _mm512_fmadd_ps(w16(d, bf16), xb, c3);
+    }
+    _mm512_storeu_ps(acc, c0);
+    _mm512_storeu_ps(acc + PANEL, c1);
+    _mm512_storeu_ps(acc + 2 * PANEL, c2);
+    _mm512_storeu_ps(acc + 3 * PANEL, c3);
+}
+__attribute__((target(T512))) static void gemv512_f32(const void *w, long ps, const float *x, int K, float *acc) {
+    gemv512(w, ps, 0, x, K, acc);
+}
+__attribute__((target(T512))) static void gemv512_bf16(const void *w, long ps, const float *x, int K, float *acc) {
+    gemv512(w, ps, 1, x, K, acc);
+}
+
 typedef void (*tile512_fn)(const void *, const void *, const float *, long, int, float *);
 #define DEF512(T, NP, BF)                                                                                     \
     __attribute__((target(T512))) static void t512_##T##_##NP##_##BF(const void *w0, const void *w1,          \
@@ -86,39 +113,47 @@ DEF512_T(7) DEF512_T(8) DEF512_T(9) DEF512_T(10) DEF512_T(11) DEF512_T(12)
      t512_11_##NP##_##BF, t512_12_##NP##_##BF}
 static const tile512_fn TILES512[2][2][TILE_W + 1] = {{ROW512(1, 0), ROW512(2, 0)}, {ROW512(1, 1), ROW512(2, 1)}};
 
-/* Task: a block of BLOCK_T tokens x `per` panels, two panels at a time. */
+/* Task: a block of BLOCK_T tokens x `per` panels of its parts, two panels at
+ * a time (a lone token: four). */
 void linear_task_avx512(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
-    gemm_args a;
-    int b0, bn, p0, p1;
-    task_share(j, task, &a, &b0, &bn, &p0, &p1);
+    int b0, bn, p0, p1, q0, q1;
+    task_share(j, task, &b0, &bn, &p0, &p1, &q0, &q1);
     float acc[BLOCK_T * 2 * PANEL];
     float wf[2][BLOCK_K * PANEL]; /* bf16 slices widened once for all their tiles (exact) */
-    int K = a.K, bf16 = a.wtype == WT_BF16, wide = bf16 && bn > 16;
-    for (int p = p0; p < p1; p += 2) {
-        int np = p1 - p < 2 ? 1 : 2;
-        memset(acc, 0, sizeof(float) * bn * 2 * PANEL);
-        for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
-            int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
-            const void *ws[2];
-            for (int i = 0; i < np; i++) {
-                long at = ((long)(p + i) * K + k0) * PANEL;
-                ws[i] = bf16 ? (const void *)((const uint16_t *)a.w + at) : (const void *)((const float *)a.w + at);
-                if (wide) {
-                    const uint16_t *src = (const uint16_t *)ws[i];
-                    for (int e = 0; e < kn * PANEL; e++) wf[i][e] = bf16_to_f32(src[e]);
-                    ws[i] = wf[i];
+    int K = j->a.K, bf16 = j->a.wtype == WT_BF16, wide = bf16 && bn > 16;
+    if (bn == 1) /* four chains at a time while four panels are left; a panel's parts in order */
+        for (; p0 + 4 <= p1; p0 += 4)
+            for (int q = q0; q < q1; q++) {
+                gemm_args a = part_args(j, q);
+                (bf16 ? gemv512_bf16 : gemv512_f32)(panel_at(&a, p0, 0), a.ps, a.x + (long)b0 * a.ldx, K, acc);
+                for (int i = 0; i < 4; i++) epilogue(&a, acc + i * PANEL, PANEL, b0, 1, (p0 + i) * PANEL);
+            }
+    for (int p = p0; p < p1; p += 2)
+        for (int q = q0; q < q1; q++) {
+            gemm_args a = part_args(j, q);
+            int np = p1 - p < 2 ? 1 : 2;
+            memset(acc, 0, sizeof(float) * bn * 2 * PANEL);
+            for (int k0 = 0; k0 < K; k0 += BLOCK_K) {
+                int kn = K - k0 < BLOCK_K ? K - k0 : BLOCK_K;
+                const void *ws[2];
+                for (int i = 0; i < np; i++) {
+                    ws[i] = panel_at(&a, p + i, k0);
+                    if (wide) {
+                        const uint16_t *src = (const uint16_t *)ws[i];
+                        for (int e = 0; e < kn * PANEL; e++) wf[i][e] = bf16_to_f32(src[e]);
+                        ws[i] = wf[i];
+                    }
+                }
+                if (np == 1) ws[1] = ws[0];
+                for (int t0 = 0; t0 < bn; t0 += TILE_W) {
+                    int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;
+                    TILES512[bf16 && !wide][np - 1][tn](ws[0], ws[1], a.x + (long)(b0 + t0) * a.ldx + k0, a.ldx, kn,
+                                                        acc + t0 * 2 * PANEL);
                 }
             }
-            if (np == 1) ws[1] = ws[0];
-            for (int t0 = 0; t0 < bn; t0 += TILE_W) {
-                int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;
-                TILES512[bf16 && !wide][np - 1][tn](ws[0], ws[1], a.x + (long)(b0 + t0) * a.ldx + k0, a.ldx, kn,
-                                                    acc + t0 * 2 * PANEL);
-            }
+            for (int i = 0; i < np; i++) epilogue(&a, acc + i * PANEL, 2 * PANEL, b0, bn, (p + i) * PANEL);
         }
-        for (int i = 0; i < np; i++) epilogue(&a, acc + i * PANEL, 2 * PANEL, b0, bn, (p + i) * PANEL);
-    }
 }
 
 /* ---------------------------------------------- the bf16 dot class, native */
@@ -167,6 +202,29 @@ DEFDP_T(7) DEFDP_T(8) DEFDP_T(9) DEFDP_T(10) DEFDP_T(11) DEFDP_T(12)
     {0, tdp_1_##NP, tdp_2_##NP, tdp_3_##NP, tdp_4_##NP, tdp_5_##NP, tdp_6_##NP, tdp_7_##NP, tdp_8_##NP,        \
      tdp_9_##NP, tdp_10_##NP, tdp_11_##NP, tdp_12_##NP}
 static const tile_dp_fn TILES_DP[2][TILE_W + 1] = {ROWDP(1), ROWDP(2)};
+
+/* One token x four panels (a decode step's GEMV): four chains in flight
+ * instead of two, for the instruction's latency; each output's chain as
+ * tile_dp's. w: the first panel's pairs, the next ones `ps` elements on. */
+__attribute__((target(T512 ",avx512bf16"))) static void gemv_dp4(const void *wv, long ps, const uint32_t *xb,
+                                                                 int kn2, float *acc) {
+    const uint16_t *w = (const uint16_t *)wv;
+    __m512 c0 = _mm512_loadu_ps(acc), c1 = _mm512_loadu_ps(acc + PANEL), c2 = _mm512_loadu_ps(acc + 2 * PANEL),
+           c3 = _mm512_loadu_ps(acc + 3 * PANEL);
+    const uint16_t *w1 = w + ps, *w2 = w + 2 * ps, *w3 = w + 3 * ps;
+    for (int k = 0; k < kn2; k++) {
+        long o = (long)k * 2 * PANEL;
+        __m512bh xp = (__m512bh)_mm512_set1_epi32((int)xb[k]);
+        c0 = _mm512_dpbf16_ps(c0, (__m512bh)_mm512_loadu_si512(w + o), xp);
+        c1 = _mm512_dpbf16_ps(c1, (__m512bh)_mm512_loadu_si512(w1 + o), xp);
+        c2 = _mm512_dpbf16_ps(c2, (__m512bh)_mm512_loadu_si512(w2 + o), xp);
+        c3 = _mm512_dpbf16_ps(c3, (__m512bh)_mm512_loadu_si512(w3 + o), xp);
+    }
+    _mm512_storeu_ps(acc, c0);
+    _mm512_storeu_ps(acc + PANEL, c1);
+    _mm512_storeu_ps(acc + 2 * PANEL, c2);
+    _mm512_storeu_ps(acc + 3 * PANEL, c3);
+}
 
 /* ------------------------------------ the bf16 dot class, by fma (AVX2) */
 
@@ -412,75 +470,86 @@ int pairs_prepare(linear_job *j, int parts, int nthreads) {
     long rows = (long)parts * j->a.n, K2 = (j->a.K + 1) / 2;
     j->xb = (uint32_t *)malloc(sizeof(uint32_t) * rows * K2);
     if (!j->xb) return -1;
-    sf_parallel(pairs_task, j, parts * ((j->a.n + 15) / 16), nthreads);
+    /* a few rows: not worth waking a thread for */
+    sf_parallel(pairs_task, j, parts * ((j->a.n + 15) / 16), rows * K2 < (64L << 10) ? 1 : nthreads);
     return 0;
 }
 
-/* Task: a block of tokens x `per` panels, GROUP panels' accumulators at a
- * time, two panels a tile. */
+/* One part's group of gn panels from g0, for bn tokens: every path's tiles
+ * over the reduction in blocks (under the class's MXCSR). */
+static void pairs_group(const linear_job *j, const gemm_args *a, int g0, int gn, int bn, const uint32_t *xb,
+                        float *acc, int lda) {
+    int K2 = (a->K + 1) / 2;
+    for (int k20 = 0; k20 < K2; k20 += BLOCK_K2) {
+        int kn2 = K2 - k20 < BLOCK_K2 ? K2 - k20 : BLOCK_K2;
+        for (int gi = 0; gi < gn; gi += 2) {
+            int np = gn - gi < 2 ? 1 : 2;
+            const uint16_t *w0 = (const uint16_t *)panel_at(a, g0 + gi, k20);
+            const uint16_t *w1 = np > 1 ? (const uint16_t *)panel_at(a, g0 + gi + 1, k20) : w0;
+#if SF_X86
+            if (a->wtype == WT_BF16_AMX) { /* run_linear saw the path */
+                for (int t0 = 0; t0 < bn; t0 += 16) {
+                    int tn = bn - t0 < 16 ? bn - t0 : 16;
+                    tile_amx(w0, w1, np, tn, xb + (long)t0 * K2 + k20, K2, kn2, acc + t0 * lda + gi * PANEL, lda);
+                }
+                continue;
+            }
+            if (j->isa >= SF_ISA_AVX512_BF16) {
+                for (int t0 = 0; t0 < bn; t0 += TILE_W) {
+                    int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;
+                    TILES_DP[np - 1][tn](w0, w1, xb + (long)t0 * K2 + k20, K2, kn2, acc + t0 * lda + gi * PANEL, lda);
+                }
+                continue;
+            }
+#endif
+            for (int pi = 0; pi < np; pi++)
+                for (int t = 0; t < bn; t++) {
+                    const uint16_t *w = pi ? w1 : w0;
+                    float *c = acc + t * lda + (gi + pi) * PANEL;
+#if SF_X86
+                    if (j->isa >= SF_ISA_AVX2) {
+                        tile_dp_avx2(w, xb + (long)t * K2 + k20, kn2, c);
+                        continue;
+                    }
+#endif
+                    tile_dp_scalar(w, xb + (long)t * K2 + k20, kn2, c);
+                }
+        }
+    }
+}
+
+/* Task: a block of tokens x `per` panels of its parts, GROUP panels'
+ * accumulators at a time, two panels a tile (a lone token: four). */
 void linear_task_pairs(const void *ctx, long task) {
     const linear_job *j = (const linear_job *)ctx;
-    gemm_args a;
-    int b0, bn, p0, p1;
-    task_share(j, task, &a, &b0, &bn, &p0, &p1);
+    int b0, bn, p0, p1, q0, q1;
+    task_share(j, task, &b0, &bn, &p0, &p1, &q0, &q1);
     float acc[BLOCK_T * GROUP * PANEL];
-    int K = a.K, K2 = (K + 1) / 2, lda = GROUP * PANEL;
-    long part = task / (j->blocks * j->chunks);
-    const uint32_t *xb = j->xb + (part * a.n + b0) * (long)K2;
+    int K2 = (j->a.K + 1) / 2, lda = GROUP * PANEL, amx = j->a.wtype == WT_BF16_AMX;
 #if SF_X86
     unsigned csr = _mm_getcsr();
-    if (a.wtype == WT_BF16_AMX) amx_begin();
+    if (amx) amx_begin();
 #endif
-    for (int g0 = p0; g0 < p1; g0 += GROUP) {
-        int gn = p1 - g0 < GROUP ? p1 - g0 : GROUP;
-        for (int t = 0; t < bn; t++) memset(acc + t * lda, 0, sizeof(float) * gn * PANEL);
+    for (int g0 = p0; g0 < p1; g0 += GROUP)
+        for (int q = q0; q < q1; q++) { /* (a panel's parts one after another: one stream) */
+            gemm_args a = part_args(j, q);
+            const uint32_t *xb = j->xb + ((long)q * a.n + b0) * K2;
+            int gn = p1 - g0 < GROUP ? p1 - g0 : GROUP;
+            for (int t = 0; t < bn; t++) memset(acc + t * lda, 0, sizeof(float) * gn * PANEL);
 #if SF_X86
-        /* FTZ and DAZ, to nearest even: the class's (the epilogue's adds keep the caller's) */
-        _mm_setcsr((csr & ~0x6000u) | 0x8040u);
+            /* FTZ and DAZ, to nearest even: the class's (the epilogue's adds keep the caller's) */
+            _mm_setcsr((csr & ~0x6000u) | 0x8040u);
+            if (bn == 1 && gn == GROUP && !amx && j->isa >= SF_ISA_AVX512_BF16)
+                gemv_dp4(panel_at(&a, g0, 0), a.ps, xb, K2, acc);
+            else
 #endif
-        for (int k20 = 0; k20 < K2; k20 += BLOCK_K2) {
-            int kn2 = K2 - k20 < BLOCK_K2 ? K2 - k20 : BLOCK_K2;
-            for (int gi = 0; gi < gn; gi += 2) {
-                int np = gn - gi < 2 ? 1 : 2;
-                const uint16_t *w0 = (const uint16_t *)a.w + ((long)(g0 + gi) * K2 + k20) * 2 * PANEL;
-                const uint16_t *w1 = np > 1 ? w0 + (long)K2 * 2 * PANEL : w0;
+                pairs_group(j, &a, g0, gn, bn, xb, acc, lda);
 #if SF_X86
-                if (a.wtype == WT_BF16_AMX) { /* run_linear saw the path */
-                    for (int t0 = 0; t0 < bn; t0 += 16) {
-                        int tn = bn - t0 < 16 ? bn - t0 : 16;
-                        tile_amx(w0, w1, np, tn, xb + (long)t0 * K2 + k20, K2, kn2, acc + t0 * lda + gi * PANEL, lda);
-                    }
-                    continue;
-                }
-                if (j->isa >= SF_ISA_AVX512_BF16) {
-                    for (int t0 = 0; t0 < bn; t0 += TILE_W) {
-                        int tn = bn - t0 < TILE_W ? bn - t0 : TILE_W;
-                        TILES_DP[np - 1][tn](w0, w1, xb + (long)t0 * K2 + k20, K2, kn2, acc + t0 * lda + gi * PANEL,
-                                             lda);
-                    }
-                    continue;
-                }
+            _mm_setcsr(csr);
 #endif
-                for (int pi = 0; pi < np; pi++)
-                    for (int t = 0; t < bn; t++) {
-                        const uint16_t *w = pi ? w1 : w0;
-                        float *c = acc + t * lda + (gi + pi) * PANEL;
-#if SF_X86
-                        if (j->isa >= SF_ISA_AVX2) {
-                            tile_dp_avx2(w, xb + (long)t * K2 + k20, kn2, c);
-                            continue;
-                        }
-#endif
-                        tile_dp_scalar(w, xb + (long)t * K2 + k20, kn2, c);
-                    }
-            }
+            for (int gi = 0; gi < gn; gi++) epilogue(&a, acc + gi * PANEL, lda, b0, bn, (g0 + gi) * PANEL);
         }
 #if SF_X86
-        _mm_setcsr(csr);
-#endif
-        for (int gi = 0; gi < gn; gi++) epilogue(&a, acc + gi * PANEL, lda, b0, bn, (g0 + gi) * PANEL);
-    }
-#if SF_X86
-    if (a.wtype == WT_BF16_AMX) amx_end();
+    if (amx) amx_end();
 #endif
 }

@@ -213,10 +213,11 @@ def test_the_stack_in_one_call_is_bitwise_the_layer_by_layer_path(tmp_path, arch
         a, b = rt.seq_create(), rt.seq_create()
         out = rt.step_rows([Feed(a, list(range(1, 40))), Feed(b, [7, 8, 9])])
         out += rt.step([Feed(a, [3], True), Feed(b, [4], True)])
+        out += rt.step([Feed(a, [5, 6, 7], True), Feed(b, [8, 9], False)])  # some rows: the head gathers them
         return out
 
     got, want = rows(True), rows(False)
-    assert len(got) == len(want) == 4
+    assert len(got) == len(want) == 5
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 

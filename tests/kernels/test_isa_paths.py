@@ -55,6 +55,31 @@ def test_each_class_gives_the_same_bits_on_every_path(dtype, numeric, path):
         assert not torch.equal(top[0], top[1])
 
 
+@pytest.mark.parametrize("dtype,numeric", CLASSES + ([(torch.bfloat16, "bf16-amx")] if AMX else []))
+@pytest.mark.parametrize("parts", [1, 8])
+def test_a_lone_row_is_its_batch_row_on_every_path(dtype, numeric, parts):
+    """A decode step's GEMV (one token: four panels' chains at a time, each
+    panel's pieces streamed in order) gives the rows the batched tiles give,
+    on every path of the class, at a model's widths (69 panels: groups of
+    four and a tail; 8 pieces as o_proj and down_proj reduce)."""
+    torch.manual_seed(11)
+    out, inp = 1100, 1536
+    w, b = torch.randn(out, inp).to(dtype), torch.randn(out)
+    x = torch.randn(5, inp)
+    if parts > 1:
+        p = cpu.pack_parts(w, parts, numeric=numeric)
+        run = (lambda xx: cpu.linear_parts(xx, p))  # noqa: E731
+    else:
+        p = cpu.pack(w, b, numeric=numeric)
+        run = (lambda xx: cpu.linear(xx, p)[None])  # noqa: E731
+    full = run(x)
+    assert not torch.equal(full[:, 0], full[:, 1])
+    paths = [BEST] if numeric == "bf16-amx" else range(BEST + 1)
+    for level in paths:
+        for t in (0, 2, 4):
+            assert torch.equal(on(level, lambda: run(x[t:t + 1]))[:, 0], full[:, t]), (cpu.ISA_NAMES[level], t)
+
+
 def test_the_classes_differ():
     """The negative control: the bf16 classes round differently, so an
     equality between paths of one class is not an equality of everything."""
