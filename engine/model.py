@@ -131,7 +131,7 @@ class Model:
         self.stack = Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                scale=self.scale, cos=self.cos, sin=self.sin)
-        self.stack.set_head(self.norm.contiguous(), self.lm_head)
+        self.stack.set_head(self.embed.contiguous(), self.norm.contiguous(), self.lm_head)
 
     def close(self) -> None:
         """Nothing to release but memory (a tensor-parallel leader stops its group)."""
@@ -154,40 +154,54 @@ class Model:
         return sum(t.nbytes if hasattr(t, "out") else t.numel() * t.element_size() for t in seen.values())
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rows: torch.Tensor | None) -> torch.Tensor:
-        """tokens [n] of the step; the pool's K/V [layers, blocks, page,
-        kv_heads, head_dim]; `rows`: token indices whose logits are wanted
-        (None: every token). Returns logits [len(rows), vocab] (float32)."""
+    def forward(self, tokens: torch.Tensor | None, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rows: torch.Tensor | None, picks: list | None = None) -> torch.Tensor:
+        """tokens [n] of the step (None where takes_ids: the layout's); the
+        pool's K/V [layers, blocks, page, kv_heads, head_dim]; `rows`: token
+        indices whose logits are wanted (None: every token). Returns logits
+        [len(rows), vocab] (float32). `picks`, a list, gets each row's greedy
+        token and non-finite flag (two lists) where the forward can give them
+        on the way; it stays empty elsewhere."""
         if self.blocked is None:
-            return self._forward_cpu(tokens, batch, k_cache, v_cache, rows)
+            return self._forward_cpu(tokens, batch, k_cache, v_cache, rows, picks)
+        assert tokens is not None
         out = self.blocked.forward(tokens, batch, k_cache, v_cache, rows)
         assert out is not None
         return out
 
-    def _forward_cpu(self, tokens: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rows: torch.Tensor | None) -> torch.Tensor:
+    @property
+    def takes_ids(self) -> bool:
+        """Whether forward reads a step's token ids from its CPU layout
+        (cpu.step_layout(..., ids)) and needs no tokens tensor."""
+        return self.stack is not None
+
+    def _forward_cpu(self, tokens: torch.Tensor | None, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: torch.Tensor | None, picks: list | None = None) -> torch.Tensor:
         """The CPU kernels' forward: float32 activations whatever the weights'
-        dtype; `lay` a kernels.cpu.StepLayout; residual adds fused into the
-        o and down GEMMs."""
+        dtype; `lay` a kernels.cpu.StepLayout (tokens None: its ids); the
+        residual adds fused into the o and down GEMMs. With the layer stack
+        one call into C a step, embedding to logits (and greedy picks)."""
         cpu, eps = self.backend.cpu, self.cfg.rms_norm_eps
-        x = cpu.embed(self.embed, tokens)
-        if self.stack is not None:
-            key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape)
-            if self._pools is None or self._pools[0] != key:  # the views, made once a pool (16 calls a step)
-                n_layers = len(self.layers)
-                ks = [heads_major(k_cache[i]) for i in range(n_layers)]
-                vs = [heads_major(v_cache[i]) for i in range(n_layers)]
-                if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
-                    raise ValueError("the CPU kernels need a heads-major KV pool")
-                self._pools = (key, ks, vs)
-            if rows is not None and rows.shape[0] == x.shape[0]:
-                rows = None  # as many rows as tokens: every row, in order
-            return self.stack.forward_head(x, lay, self._pools[1], self._pools[2], rows)
-        self._layers_cpu(x, lay, k_cache, v_cache)
-        if rows is not None and rows.shape[0] != x.shape[0]:  # as many rows as tokens: every row, in order
-            x = x[rows]
-        return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
+        if tokens is None:
+            tokens = lay.ids
+        if self.stack is None:
+            x = cpu.embed(self.embed, tokens)
+            self._layers_cpu(x, lay, k_cache, v_cache)
+            if rows is not None and rows.shape[0] != x.shape[0]:  # as many rows as tokens: every row, in order
+                x = x[rows]
+            return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape)
+        if self._pools is None or self._pools[0] != key:  # the views, made once a pool (16 calls a step)
+            n_layers = len(self.layers)
+            ks = [heads_major(k_cache[i]) for i in range(n_layers)]
+            vs = [heads_major(v_cache[i]) for i in range(n_layers)]
+            if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
+                raise ValueError("the CPU kernels need a heads-major KV pool")
+            self._pools = (key, ks, vs)
+        if rows is not None and rows.shape[0] == lay.n:
+            rows = None  # as many rows as tokens: every row, in order
+        x = None if lay.has_ids and tokens is lay.ids else cpu.embed(self.embed, tokens)
+        return self.stack.forward_head(x, lay, self._pools[1], self._pools[2], rows, picks)
 
     def _layers_cpu(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The layers one kernel call at a time: what sf_forward does in C,

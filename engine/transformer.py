@@ -39,6 +39,7 @@ from superfluid.engine.runtime import (
     Vocabulary,
     check_masks,
 )
+from superfluid.kernels.cpu_step import step_layout
 
 _EXPORT_MAGIC, _EXPORT_VERSION = b"SFKV", 2
 # magic, version, cells, layers, kv_heads, head_dim, dtype, page, crc32 (of the header with this field
@@ -165,8 +166,9 @@ class TransformerRuntime(Runtime):
             raise CapacityError(f"the step needs {need} KV blocks, {self.pool.n_free} are free")
         return states
 
-    def _forward(self, feeds: Sequence[Feed], all_rows: bool) -> torch.Tensor:
-        """Logits of the wanted rows (every token's with all_rows), feed order."""
+    def _forward(self, feeds: Sequence[Feed], all_rows: bool, picks: list | None = None) -> torch.Tensor:
+        """Logits of the wanted rows (every token's with all_rows), feed order;
+        `picks` as Model.forward's."""
         states = self._check(feeds)
         saved = [(list(s.blocks), s.length) for s in states]
         dev = self.model.device
@@ -174,18 +176,25 @@ class TransformerRuntime(Runtime):
             for s, f in zip(states, feeds):
                 self.pool.grow(s, len(f.tokens))
             layout = [(s.blocks, s.length, len(f.tokens)) for s, f in zip(states, feeds)]
-            q_per_kv = self.cfg.num_heads // self.cfg.num_kv_heads
-            batch = self.model.backend.layout(layout, self.pool.page, q_per_kv, dev)
+            ids = [t for f in feeds for t in f.tokens]
+            tokens: torch.Tensor | None = None
+            if getattr(self.model, "takes_ids", False):  # the CPU stack: ids in the layout, no tensor
+                batch = step_layout(layout, self.pool.page, ids)
+            else:
+                q_per_kv = self.cfg.num_heads // self.cfg.num_kv_heads
+                batch = self.model.backend.layout(layout, self.pool.page, q_per_kv, dev)
+                tokens = torch.tensor(ids, dtype=torch.long, device=dev)
             mirrored = self._mirrors.attach(self.pool, batch, feeds, states) if self._mirrors else []
-            tokens = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.long, device=dev)
             row_index = None
             if not all_rows and not all(len(f.tokens) == 1 and f.wants_row for f in feeds):  # else: every row
                 ends = np.cumsum([len(f.tokens) for f in feeds]) - 1
                 row_index = torch.tensor([int(e) for e, f in zip(ends, feeds) if f.wants_row], dtype=torch.long,
                                          device=dev)
-            logits = self.model.forward(tokens, batch, self.pool.k, self.pool.v, row_index)
+            logits = self.model.forward(tokens, batch, self.pool.k, self.pool.v, row_index, picks)
             if self.nan_rows:
                 _poison(logits, feeds, all_rows, self.nan_rows)
+                if picks:
+                    picks.clear()  # taken before the poison: the caller picks from the rows
         except torch.cuda.OutOfMemoryError as e:
             self._restore(states, saved)
             raise CapacityError(f"device memory: {e}") from e
@@ -238,12 +247,15 @@ class TransformerRuntime(Runtime):
         _check_specs(specs)  # before the step: a bad spec must change nothing
         masks = check_masks(masks, len(feeds), self.cfg.vocab_size)
         feeds = [f if f.wants_row else Feed(f.seq, f.tokens, True) for f in feeds]
-        logits = self._forward(feeds, all_rows=False)
         greedy = getattr(self.model.backend, "greedy", None)
         if greedy is not None and masks is None and not any(s.temperature > 0 for s in specs):
-            # Every row greedy, no mask (most decode steps): one pass in C, not ~15 torch ops.
-            picked, nonfinite = greedy(logits)
+            # Every row greedy, no mask (most decode steps): one pass in C, not ~15 torch ops (the
+            # CPU stack's own call makes it on the way)
+            picks: list = []
+            logits = self._forward(feeds, all_rows=False, picks=picks)
+            picked, nonfinite = picks if picks else greedy(logits)
             return [NONFINITE if b else t for t, b in zip(picked, nonfinite)]
+        logits = self._forward(feeds, all_rows=False)
         bad = ~torch.isfinite(logits.amax(1))  # a NaN or +inf is the max; so is -inf when nothing else is left
         toks: list[int] = self.model.backend.sample(logits, specs, masks, consume=True).tolist()
         if bool(bad.any()):

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from superfluid.kernels.cpu_step import StepLayout, step_layout  # noqa: F401 (callers know them as cpu.*)
 from superfluid.kernels.isa import (  # the path and class API, re-exported: callers know it as cpu.*
     BF16_CLASSES as BF16_CLASSES,
     BF16_ENV as BF16_ENV,
@@ -315,31 +316,6 @@ def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@dataclasses.dataclass
-class StepLayout:
-    """What attention needs of a step: each token's position, the cell its
-    K/V goes to, its feed, and the feeds' block tables (never lanes)."""
-
-    positions: torch.Tensor  # int64 [n]
-    cells: torch.Tensor  # int64 [n]
-    feed_of: torch.Tensor  # int64 [n]
-    tables: torch.Tensor  # int64 [feeds, width]
-    page: int
-    # (max position, max cell, max block id) when known (step_layout: from numpy, a few us
-    # a step cheaper than three torch reductions); None: _check_pools takes them
-    bounds: tuple[int, int, int] | None = None
-
-
-def step_layout(feeds: list[tuple[list[int], int, int]], page: int) -> StepLayout:
-    """A step's layout from (block table, cells before, tokens fed) per feed."""
-    from superfluid.kernels.attention import token_layout
-
-    _, _, _, table, feed_of, positions, cells = token_layout(feeds, page)
-    bounds = (int(positions.max()), int(cells.max()), int(table.max())) if positions.size else None
-    return StepLayout(torch.from_numpy(positions), torch.from_numpy(cells), torch.from_numpy(feed_of),
-                      torch.from_numpy(table), page, bounds)
-
-
 @_profiled
 def _check_pools(layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor, n_kv: int, head_dim: int,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -354,11 +330,16 @@ def _check_pools(layout: StepLayout, k_pool: torch.Tensor, v_pool: torch.Tensor,
     for t in (cos, sin):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 or t.shape[1] != head_dim // 2:
             raise ValueError(f"attention: rope tables must be contiguous float32 [positions, {head_dim // 2}]")
-    cells = shape[1] * shape[2]
-    if not layout.positions.numel():
+    check_bounds(layout, shape[1], shape[2], cos.shape[0])
+
+
+def check_bounds(layout: StepLayout, blocks: int, page: int, rope_len: int) -> None:
+    """Every position in the rope tables, every cell and block id in a pool
+    of `blocks` blocks of `page` cells (what sf_attention indexes unchecked)."""
+    if not layout.n:
         return
     top = layout.bounds or (int(layout.positions.max()), int(layout.cells.max()), int(layout.tables.max()))
-    if top[0] >= cos.shape[0] or top[1] >= cells or top[2] >= shape[1]:
+    if top[0] >= rope_len or top[1] >= blocks * page or top[2] >= blocks:
         raise ValueError("attention: a position past the rope tables or a cell outside the pool")
 
 
@@ -372,14 +353,16 @@ def attention(qkv: torch.Tensor, layout: StepLayout, k_pool: torch.Tensor, v_poo
     width = (n_heads + 2 * n_kv) * head_dim
     if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(-1) != 1:
         raise ValueError(f"attention: qkv must be float32 rows of {width} with unit stride")
+    if n != layout.n:
+        raise ValueError(f"attention: {n} rows of qkv for a layout of {layout.n} tokens")
     _check_pools(layout, k_pool, v_pool, n_kv, head_dim, cos, sin)
     for t in (q_norm, k_norm):
         _vec(t, head_dim, "attention: q/k norm")
     out = qkv.new_empty((n, n_heads * head_dim))
     head_stride = k_pool.stride(0)
-    t = layout.tables
-    _check(lib.sf_attention(_f(qkv), qkv.stride(0), n, n_heads, n_kv, head_dim, _i64(layout.positions),
-                            _i64(layout.cells), _i64(layout.feed_of), _i64(t), t.shape[1], _f(cos), _f(sin),
+    pos, cells, feed_of, tables, _ = layout.pointers(ffi)
+    _check(lib.sf_attention(_f(qkv), qkv.stride(0), n, n_heads, n_kv, head_dim, pos, cells, feed_of, tables,
+                            layout.width, _f(cos), _f(sin),
                             _f(q_norm), _f(k_norm), eps, _v(k_pool), _v(v_pool),
                             int(k_pool.dtype == torch.bfloat16), head_stride, layout.page, scale, _f(out),
                             out.stride(0), _threads()), "sf_attention")

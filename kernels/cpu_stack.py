@@ -7,7 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from superfluid.kernels.cpu import StepLayout, _check, _check_pools, _f, _i64, _profiled, _threads, _v, ffi, lib
+from superfluid.kernels.cpu import (
+    StepLayout,
+    _check,
+    _check_pools,
+    _f,
+    _i64,
+    _profiled,
+    _threads,
+    _v,
+    check_bounds,
+    ffi,
+    lib,
+)
 
 # forward_tp gathers a rank's pieces this many bytes at a time (or its comm's slot, if smaller):
 # what every rank sends and gets back stays in cache.
@@ -76,16 +88,13 @@ class Stack:
         self.model = ffi.new("sf_model *", dict(
             n_layers=len(layers), hidden=hidden, nh=n_heads, nkv=n_kv, hd=head_dim, inter=inter, parts=self.parts,
             wtype=wtypes.pop() if wtypes else 0, eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
-        self._pool = None
-        self.head: tuple | None = None
+        self._pool: tuple | None = None
+        self.head = None  # sf_head * (set_head)
         self._scratch_n = -1
-        self._scratch_bufs: tuple[torch.Tensor, ...] = ()
+        self._scratch_bufs: tuple = ()
         self.comm_s = 0.0
 
     def _attach(self, k_pools, v_pools) -> None:
-        key = (k_pools[0].data_ptr(), v_pools[0].data_ptr())
-        if self._pool == key:
-            return
         if len(k_pools) != len(self.layers) or len(v_pools) != len(self.layers):
             raise ValueError(f"Stack: {len(self.layers)} layers, {len(k_pools)}/{len(v_pools)} pools")
         for c, k, v in zip(self.layers, k_pools, v_pools):
@@ -96,75 +105,105 @@ class Stack:
         m.kv_bf16, m.head_stride, m.page = int(k_pools[0].dtype == torch.bfloat16), k_pools[0].stride(0), \
             k_pools[0].shape[2]
         self._keep_pool = (k_pools, v_pools)
-        self._pool = key
 
-    def _begin(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools, what: str) -> None:
-        """What the C side trusts of a step's x, layout and pools; the pools attached."""
+    def _begin(self, x: torch.Tensor | None, layout: StepLayout, k_pools, v_pools, what: str) -> None:
+        """What the C side trusts of a step's x, layout and pools; the pools
+        attached (checked whole when they change, their bounds each step)."""
         hidden, _, nkv, hd, _ = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
-            raise ValueError(f"Stack.{what}: x must be contiguous float32 [n, {hidden}]")
-        _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
-        self._attach(k_pools, v_pools)
+        if x is not None and (x.dtype != torch.float32 or x.dim() != 2 or x.shape != (layout.n, hidden)
+                              or not x.is_contiguous()):
+            raise ValueError(f"Stack.{what}: x must be contiguous float32 [{layout.n}, {hidden}]")
+        k = k_pools[0]
+        key = (k.data_ptr(), v_pools[0].data_ptr(), k.shape, v_pools[0].shape, k.dtype, v_pools[0].dtype,
+               len(k_pools), len(v_pools))
+        if self._pool != key:
+            _check_pools(layout, k, v_pools[0], nkv, hd, self.cos, self.sin)
+            self._attach(k_pools, v_pools)
+            self._pool = key
+        elif layout.page != k.shape[2]:
+            raise ValueError("attention: K and V pools must be contiguous float32/bfloat16 "
+                             "[kv, blocks, page, head_dim]")
+        else:
+            check_bounds(layout, k.shape[1], k.shape[2], self.cos.shape[0])
 
-    def _scratch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A step's buffers for the kernels between layers: h, qkv, att, gu, act, parts
-        (kept while steps of up to 64 tokens have the same width: decode steps allocate
-        nothing, and a long prefill's buffers are not held after it)."""
-        hidden, nh, nkv, hd, inter = self.shape
-        n = x.shape[0]
+    def _scratch(self, n: int) -> tuple:
+        """A step's buffers for the kernels between layers (x, h, qkv, att,
+        gu, act, parts) and their C pointers, kept while steps of up to 64
+        tokens have the same width: decode steps allocate nothing, and a long
+        prefill's buffers are not held after it."""
         if self._scratch_n == n:
             return self._scratch_bufs
-        bufs = (x.new_empty((n, max(hidden, nh * hd))), x.new_empty((n, (nh + 2 * nkv) * hd)),
-                x.new_empty((n, nh * hd)), x.new_empty((n, 2 * inter)), x.new_empty((n, inter)),
-                x.new_empty((self.parts, n, hidden)))
-        self._scratch_n, self._scratch_bufs = (n, bufs) if n <= 64 else (-1, ())
-        return bufs
+        hidden, nh, nkv, hd, inter = self.shape
+        e = torch.empty
+        bufs = (e((n, hidden)), e((n, max(hidden, nh * hd))), e((n, (nh + 2 * nkv) * hd)), e((n, nh * hd)),
+                e((n, 2 * inter)), e((n, inter)), e((self.parts, n, hidden)))
+        out = (bufs, tuple(_f(b) for b in bufs))
+        self._scratch_n, self._scratch_bufs = (n, out) if n <= 64 else (-1, ())
+        return out
 
     @_profiled
     def forward(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools) -> torch.Tensor:
         """x [n, hidden] float32 (the embeddings) through every layer, in place."""
         self._begin(x, layout, k_pools, v_pools, "forward")
-        n = x.shape[0]
-        h, qkv, att, gu, act, parts = self._scratch(x)
-        t = layout.tables
-        _check(lib.sf_forward(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
-                              _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
-                              _f(parts), _threads()), "sf_forward")
+        bufs, (_, h, qkv, att, gu, act, parts) = self._scratch(layout.n)
+        pos, cells, feed_of, tables, _ = layout.pointers(ffi)
+        _check(lib.sf_forward(self.model, _f(x), layout.n, pos, cells, feed_of, tables, layout.width, h, qkv, att, gu,
+                              act, parts, _threads()), "sf_forward")
+        del bufs  # (held over the call: a wide step's buffers are not kept)
         return x
 
-    def set_head(self, norm: torch.Tensor, head) -> None:
-        """The final RMSNorm weight (float32 [hidden]) and the LM head (a
-        cpu.Packed of the layers' class) forward_head ends with."""
+    def set_head(self, embed: torch.Tensor, norm: torch.Tensor, head) -> None:
+        """What forward_head adds: the embedding table (float32 or bf16
+        [rows, hidden], contiguous), the final RMSNorm's weight (float32
+        [hidden]) and the LM head (a cpu.Packed of the layers' class)."""
         hidden = self.shape[0]
+        if embed.dtype not in (torch.float32, torch.bfloat16) or embed.dim() != 2 or embed.shape[1] != hidden \
+                or not embed.is_contiguous():
+            raise ValueError(f"Stack.set_head: the embedding must be a contiguous float32/bf16 [rows, {hidden}]")
         if norm.dtype != torch.float32 or norm.shape != (hidden,) or not norm.is_contiguous():
             raise ValueError(f"Stack.set_head: the norm must be a contiguous float32 vector of {hidden}")
         if head.inp != hidden or head.parts != 1 or head.bias is not None or head.wtype != self.model.wtype:
             raise ValueError("Stack.set_head: the LM head must be packed whole, without bias, in the layers' class, "
                              f"with {hidden} inputs")
-        self.head = (norm, head)
+        self._head_keep = (embed, norm, head)
+        self.vocab = head.out
+        self.head = ffi.new("sf_head *", dict(embed=_v(embed), embed_bf16=int(embed.dtype == torch.bfloat16),
+                                              embed_rows=embed.shape[0], norm=_f(norm), w=_v(head.w), vocab=head.out))
 
     @_profiled
-    def forward_head(self, x: torch.Tensor, layout: StepLayout, k_pools, v_pools,
-                     rows: torch.Tensor | None = None) -> torch.Tensor:
-        """forward, then the final norm of the rows wanted (indices into x's
-        tokens; None: every token) and the LM head: float32 logits [rows,
-        vocab], in one call into C."""
+    def forward_head(self, x: torch.Tensor | None, layout: StepLayout, k_pools, v_pools,
+                     rows: torch.Tensor | None = None, picks: list | None = None) -> torch.Tensor:
+        """A step's logits in one call into C: x [n, hidden] (the embeddings;
+        None: the layout's ids, embedded here) through every layer, the final
+        norm of the rows wanted (indices into the step's tokens; None: every
+        token) and the LM head: float32 [rows, vocab]. With `picks` (a list),
+        each row's greedy token and whether it is not finite are appended to
+        it as two lists (cpu.greedy's)."""
+        if self.head is None:
+            raise ValueError("Stack.forward_head: no head (set_head)")
+        if x is None and not layout.has_ids:
+            raise ValueError("Stack.forward_head: neither embeddings nor the layout's ids")
         self._begin(x, layout, k_pools, v_pools, "forward_head")
-        norm, head = self.head
-        n = x.shape[0]
+        n = layout.n
         if rows is not None:
             rows = rows.to(torch.int64).contiguous()
         nrows = n if rows is None else rows.shape[0]
-        logits = x.new_empty((nrows, head.out))
-        h, qkv, att, gu, act, parts = self._scratch(x)
-        t = layout.tables
-        rc = lib.sf_forward_head(self.model, _f(x), n, _i64(layout.positions), _i64(layout.cells),
-                                 _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
-                                 _f(parts), ffi.NULL if rows is None else _i64(rows), nrows, _f(norm), _v(head.w),
-                                 head.out, _f(logits), _threads())
+        logits = torch.empty((nrows, self.vocab))
+        bufs, (xs, h, qkv, att, gu, act, parts) = self._scratch(n)
+        pos, cells, feed_of, tables, ids = layout.pointers(ffi)
+        if x is not None:
+            xs, ids = _f(x), ffi.NULL
+        tok = ffi.new("int64_t[]", nrows) if picks is not None else ffi.NULL
+        bad = ffi.new("uint8_t[]", nrows) if picks is not None else ffi.NULL
+        rc = lib.sf_forward_head(self.model, self.head, xs, ids, n, pos, cells, feed_of, tables, layout.width, h, qkv,
+                                 att, gu, act, parts, ffi.NULL if rows is None else _i64(rows), nrows, _f(logits),
+                                 tok, bad, _threads())
+        del bufs  # (held over the call: a wide step's buffers are not kept)
         if rc == -3:
-            raise IndexError(f"Stack.forward_head: a row outside the step's {n} tokens")
+            raise IndexError(f"Stack.forward_head: a token outside the embedding or a row outside the step's {n}")
         _check(rc, "sf_forward_head")
+        if picks is not None:
+            picks += [list(tok), [b != 0 for b in bad]]
         return logits
 
     @_profiled
@@ -182,15 +221,15 @@ class Stack:
         if self.parts * hidden * 4 > comm.slot_bytes:
             raise ValueError(f"Stack.forward_tp: one token's pieces ({self.parts * hidden * 4} bytes) exceed the "
                              f"comm's slots ({comm.slot_bytes})")
-        h, qkv, att, gu, act, parts = self._scratch(x)
+        bufs, (_, h, qkv, att, gu, act, parts) = self._scratch(n)
         stage = x.new_empty((self.parts, min(rows, n), hidden))
         every = x.new_empty((comm.world * self.parts, min(rows, n), hidden))
-        t = layout.tables
+        pos, cells, feed_of, tables, _ = layout.pointers(ffi)
         state = comm.c_calls(timeout_s)
         state.chunk_bytes = chunk
-        rc = lib.sf_forward_tp(self.model, state, _f(x), n, _i64(layout.positions), _i64(layout.cells),
-                               _i64(layout.feed_of), _i64(t), t.shape[1], _f(h), _f(qkv), _f(att), _f(gu), _f(act),
-                               _f(parts), _f(stage), _f(every), _threads())
+        rc = lib.sf_forward_tp(self.model, state, _f(x), n, pos, cells, feed_of, tables, layout.width, h, qkv, att, gu,
+                               act, parts, _f(stage), _f(every), _threads())
+        del bufs  # (held over the call: a wide step's buffers are not kept)
         comm.c_calls_done(state, rc, "sf_forward_tp")
         self.comm_s = float(state.comm_s)
         return x

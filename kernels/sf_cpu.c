@@ -158,15 +158,17 @@ int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int
     return 0;
 }
 
-/* sf_forward, then the head: the final RMSNorm of the rows wanted (rows:
- * nrows indices of the step's tokens; NULL: every token, in order) and the
- * LM head into logits [nrows, vocab]: one call a step, not three (Python
- * between them runs on a cache the weights just flushed). -3: a row
- * outside the step. */
-int sf_forward_head(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
-                    const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
-                    float *gu, float *act, float *parts, const int64_t *rows, int nrows, const float *norm,
-                    const void *head, int vocab, float *logits, int nthreads) {
+/* A step's whole forward in one call: the embedding of ids (NULL: x holds
+ * the embeddings already), sf_forward, the final RMSNorm of the rows wanted
+ * (rows: nrows indices of the step's tokens; NULL: every token, in order)
+ * and the LM head into logits [nrows, vocab]; with picks, each row's greedy
+ * token and non-finite flag (sf_greedy). One call, not five: Python between
+ * them runs on a cache the weights have just flushed. -3: an id outside the
+ * table or a row outside the step; nothing run. */
+int sf_forward_head(const sf_model *m, const sf_head *hd, float *x, const int64_t *ids, int n, const int64_t *pos,
+                    const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, float *h,
+                    float *qkv, float *att, float *gu, float *act, float *parts, const int64_t *rows, int nrows,
+                    float *logits, int64_t *picks, uint8_t *bad, int nthreads) {
     int H = m->hidden;
     if (rows) {
         if (nrows > n) return -3;
@@ -175,12 +177,14 @@ int sf_forward_head(const sf_model *m, float *x, int n, const int64_t *pos, cons
     } else if (nrows != n && nrows != 0) {
         return -3;
     }
+    if (ids && sf_embed(hd->embed, hd->embed_bf16, H, hd->embed_rows, ids, n, x)) return -3;
     SF_TRY(sf_forward(m, x, n, pos, cells, feed_of, tables, width, h, qkv, att, gu, act, parts, nthreads));
     if (nrows == 0) return 0;
     if (rows) /* row by row (a norm's row depends on that row only) */
         for (int i = 0; i < nrows; i++)
-            SF_TRY(sf_rmsnorm(x + rows[i] * H, H, 1, H, norm, m->eps, h + (long)i * H, H, 1));
+            SF_TRY(sf_rmsnorm(x + rows[i] * H, H, 1, H, hd->norm, m->eps, h + (long)i * H, H, 1));
     else
-        SF_TRY(sf_rmsnorm(x, H, n, H, norm, m->eps, h, H, nthreads));
-    return sf_linear(h, H, nrows, H, head, m->wtype, vocab, NULL, logits, vocab, 0, nthreads);
+        SF_TRY(sf_rmsnorm(x, H, n, H, hd->norm, m->eps, h, H, nthreads));
+    SF_TRY(sf_linear(h, H, nrows, H, hd->w, m->wtype, hd->vocab, NULL, logits, hd->vocab, 0, nthreads));
+    return picks ? sf_greedy(logits, hd->vocab, nrows, hd->vocab, picks, bad) : 0;
 }

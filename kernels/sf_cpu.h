@@ -25,6 +25,18 @@ typedef struct {
     const sf_layer *layers;
 } sf_model;
 
+/* What sf_forward_head adds to the layers: the embedding table (float32 or
+ * bf16, embed_rows rows of hidden), the final norm's weight and the LM head
+ * (packed as the layers' linears, vocab outputs). */
+typedef struct {
+    const void *embed;
+    int embed_bf16;
+    long embed_rows;
+    const float *norm;
+    const void *w;
+    int vocab;
+} sf_head;
+
 /* Kernel paths, lowest first (sf_cpu_isa: the one running), and what the
  * CPU offers (sf_cpu_features). */
 enum { SF_ISA_SCALAR = 0, SF_ISA_AVX2 = 1, SF_ISA_AVX512 = 2, SF_ISA_AVX512_BF16 = 3, SF_ISA_AMX_BF16 = 4 };
@@ -63,10 +75,10 @@ int sf_embed(const void *table, int bf16, int d, long rows, const int64_t *ids, 
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads);
-int sf_forward_head(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
-                    const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
-                    float *gu, float *act, float *parts, const int64_t *rows, int nrows, const float *norm,
-                    const void *head, int vocab, float *logits, int nthreads);
+int sf_forward_head(const sf_model *m, const sf_head *hd, float *x, const int64_t *ids, int n, const int64_t *pos,
+                    const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, float *h,
+                    float *qkv, float *att, float *gu, float *act, float *parts, const int64_t *rows, int nrows,
+                    float *logits, int64_t *picks, uint8_t *bad, int nthreads);
 int sf_greedy(const float *x, long ldx, int B, int V, int64_t *tok, uint8_t *bad);
 int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
                      int n, float *out, long ldo);

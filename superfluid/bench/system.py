@@ -144,7 +144,8 @@ def read_bandwidth_gbs(threads: int | None = None, device: str = "cpu", mib: int
     `threads` torch threads (default: the current count), the best of
     `repeats` passes after one untimed pass. The best, not the median: noise
     only slows a pass, and the floor is what the memory can do. The buffer
-    is written first (untouched pages would all read the one zero page). On
+    is written first, page by page different (untouched pages would all
+    read the one zero page, identical ones may be merged). On
     the CPU it is measured in a child process, so the buffer never counts in
     this process's peak RSS (which the benches report)."""
     threads = threads or torch.get_num_threads()
@@ -162,7 +163,9 @@ def _read_passes(threads: int, device: str, mib: int, repeats: int) -> dict[str,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        buf = torch.full((mib << 18,), 1.0, dtype=torch.float32, device=device)
+        # every page different: identical pages may be merged (a VM host's KSM), and then a pass
+        # reads a few pages from cache (seen here: 55 GB/s on a 33 GB/s machine)
+        buf = torch.rand((mib << 18,), dtype=torch.float32, device=device)
         buf.sum()
         sync()
         best = float("inf")
