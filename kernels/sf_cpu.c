@@ -188,3 +188,38 @@ int sf_forward_head(const sf_model *m, const sf_head *hd, float *x, const int64_
     SF_TRY(sf_linear(h, H, nrows, H, hd->w, m->wtype, hd->vocab, NULL, logits, hd->vocab, 0, nthreads));
     return picks ? sf_greedy(logits, hd->vocab, nrows, hd->vocab, picks, bad) : 0;
 }
+
+/* ------------------------------------------------- the memory's read rate */
+
+typedef struct {
+    const uint64_t *p;
+    long words, per; /* per task */
+    uint64_t *sink;
+} probe_job;
+
+/* A task's share as four interleaved streams (what the GEMV does), xor-summed. */
+static void probe_task(const void *ctx, long task) {
+    const probe_job *j = (const probe_job *)ctx;
+    long at = task * j->per, n = j->words - at < j->per ? j->words - at : j->per, q = n / 4;
+    const uint64_t *a = j->p + at;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (long i = 0; i < q; i++) s0 ^= a[i], s1 ^= a[q + i], s2 ^= a[2 * q + i], s3 ^= a[3 * q + i];
+    for (long i = 4 * q; i < n; i++) s0 ^= a[i];
+    j->sink[task] = s0 ^ s1 ^ s2 ^ s3;
+}
+
+/* Reads `bytes` at p once on nthreads threads, in 64 KiB tasks (the
+ * benches' read-bandwidth probe: a GEMV's access pattern, not a library's
+ * reduction). Returns an xor of the words, or 0 without memory. */
+uint64_t sf_read_probe(const void *p, long bytes, int nthreads) {
+    probe_job j = {(const uint64_t *)p, bytes / 8, 8192, NULL};
+    long tasks = (j.words + j.per - 1) / j.per;
+    j.sink = (uint64_t *)calloc(tasks > 0 ? tasks : 1, sizeof(uint64_t));
+    if (!j.sink) return 0;
+    sf_parallel(probe_task, &j, tasks, nthreads);
+    uint64_t s = 0;
+    for (long t = 0; t < tasks; t++) s ^= j.sink[t];
+    free(j.sink);
+    return s;
+}
+

@@ -80,6 +80,7 @@ int sf_forward_head(const sf_model *m, const sf_head *hd, float *x, const int64_
                     float *qkv, float *att, float *gu, float *act, float *parts, const int64_t *rows, int nrows,
                     float *logits, int64_t *picks, uint8_t *bad, int nthreads);
 int sf_greedy(const float *x, long ldx, int B, int V, int64_t *tok, uint8_t *bad);
+uint64_t sf_read_probe(const void *p, long bytes, int nthreads);
 int sf_apply_bitmask(const float *x, long ldx, int B, int V, const int32_t *bits, int W, const int64_t *rows,
                      int n, float *out, long ldo);
 

@@ -59,6 +59,8 @@ def test_bench_engine_keys(tmp_path, monkeypatch):
     tiny = load_config(next(tmp_path.glob("bench-tiny-*")))
     read = res["read_bandwidth"]
     assert read["read_gbs"] > 0 and read["statistic"] == "best" and read["threads"] == 1
+    # the faster of two probes: torch.sum and the kernels' four-stream read
+    assert read["read_gbs"] == max(read["torch_sum_gbs"], read["kernel_probe_gbs"]) > 0
     for block, dtype in ((res, "float32"), (bf16, "bfloat16")):
         assert block["dtype"] == dtype and block["peak_gflops"] > 0
         for key in ENGINE_KEYS:

@@ -265,3 +265,17 @@ def test_greedy_picks_what_greedy_sampling_picks_and_flags_what_the_step_flags(b
     assert [t for t, f in zip(tok, bad) if not f] == [t for t, f in zip(want, bad) if not f]
     if not any(bad):
         assert tok == want
+
+
+def test_the_read_probe_reads_every_word():
+    """sf_read_probe (the benches' bandwidth probe) xors every word once, so
+    it cannot skip memory: its result is the words' xor, at any thread count."""
+    words = torch.randint(-2**62, 2**62, (3 * 8192 + 5,), dtype=torch.int64)
+    want = 0
+    for w in words.tolist():
+        want ^= w & (2**64 - 1)
+    for threads in (1, 2, 3):
+        got = cpu.lib.sf_read_probe(cpu.ffi.cast("void *", words.data_ptr()), words.numel() * 8, threads)
+        assert got == want
+    words[-1] ^= 1  # the tail counts too
+    assert cpu.lib.sf_read_probe(cpu.ffi.cast("void *", words.data_ptr()), words.numel() * 8, 2) == want ^ 1
