@@ -65,7 +65,7 @@ class Model:
         self.scale = cfg.head_dim ** -0.5
         self.parts = reduction_parts(cfg)
         self.stack = None
-        self._pools: tuple | None = None  # the KV pool's per-layer heads-major views (_forward_cpu)
+        self._pools: tuple | None = None  # the KV pool and its per-layer heads-major views (_forward_stack)
         self.blocked: BlockedModel | None = None
         if not backend.fused_cpu:
             # Fixed-shape blocks: the bits of every tensor-parallel degree (engine/blocked.py);
@@ -153,7 +153,6 @@ class Model:
                     seen[id(t)] = t
         return sum(t.nbytes if hasattr(t, "out") else t.numel() * t.element_size() for t in seen.values())
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor | None, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rows: torch.Tensor | None, picks: list | None = None) -> torch.Tensor:
         """tokens [n] of the step (None where takes_ids: the layout's); the
@@ -162,12 +161,15 @@ class Model:
         [len(rows), vocab] (float32). `picks`, a list, gets each row's greedy
         token and non-finite flag (two lists) where the forward can give them
         on the way; it stays empty elsewhere."""
-        if self.blocked is None:
-            return self._forward_cpu(tokens, batch, k_cache, v_cache, rows, picks)
-        assert tokens is not None
-        out = self.blocked.forward(tokens, batch, k_cache, v_cache, rows)
-        assert out is not None
-        return out
+        if self.stack is not None:  # the C kernels only, no autograd anywhere: no inference_mode to enter
+            return self._forward_stack(tokens, batch, k_cache, v_cache, rows, picks)
+        with torch.inference_mode():
+            if self.blocked is None:
+                return self._forward_cpu(tokens, batch, k_cache, v_cache, rows)
+            assert tokens is not None
+            out = self.blocked.forward(tokens, batch, k_cache, v_cache, rows)
+            assert out is not None
+            return out
 
     @property
     def takes_ids(self) -> bool:
@@ -175,33 +177,35 @@ class Model:
         (cpu.step_layout(..., ids)) and needs no tokens tensor."""
         return self.stack is not None
 
-    def _forward_cpu(self, tokens: torch.Tensor | None, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rows: torch.Tensor | None, picks: list | None = None) -> torch.Tensor:
-        """The CPU kernels' forward: float32 activations whatever the weights'
-        dtype; `lay` a kernels.cpu.StepLayout (tokens None: its ids); the
-        residual adds fused into the o and down GEMMs. With the layer stack
-        one call into C a step, embedding to logits (and greedy picks)."""
-        cpu, eps = self.backend.cpu, self.cfg.rms_norm_eps
-        if tokens is None:
-            tokens = lay.ids
-        if self.stack is None:
-            x = cpu.embed(self.embed, tokens)
-            self._layers_cpu(x, lay, k_cache, v_cache)
-            if rows is not None and rows.shape[0] != x.shape[0]:  # as many rows as tokens: every row, in order
-                x = x[rows]
-            return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape)
-        if self._pools is None or self._pools[0] != key:  # the views, made once a pool (16 calls a step)
+    def _forward_stack(self, tokens: torch.Tensor | None, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       rows: torch.Tensor | None, picks: list | None) -> torch.Tensor:
+        """The layer stack's forward: one call into C a step, from the ids
+        (tokens None: the layout's) to the logits (and greedy picks)."""
+        pools = self._pools
+        if pools is None or pools[0] is not k_cache or pools[1] is not v_cache:  # the views, made once a pool
             n_layers = len(self.layers)
             ks = [heads_major(k_cache[i]) for i in range(n_layers)]
             vs = [heads_major(v_cache[i]) for i in range(n_layers)]
             if ks[0].data_ptr() != k_cache[0].data_ptr():  # a copy: the step's K/V would be written into it
                 raise ValueError("the CPU kernels need a heads-major KV pool")
-            self._pools = (key, ks, vs)
+            self._pools = pools = (k_cache, v_cache, ks, vs)
         if rows is not None and rows.shape[0] == lay.n:
             rows = None  # as many rows as tokens: every row, in order
-        x = None if lay.has_ids and tokens is lay.ids else cpu.embed(self.embed, tokens)
-        return self.stack.forward_head(x, lay, self._pools[1], self._pools[2], rows, picks)
+        x = None if tokens is None else self.backend.cpu.embed(self.embed, tokens)
+        return self.stack.forward_head(x, lay, pools[2], pools[3], rows, picks)
+
+    def _forward_cpu(self, tokens: torch.Tensor | None, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: torch.Tensor | None) -> torch.Tensor:
+        """The CPU kernels one call at a time (the stack's reference):
+        float32 activations whatever the weights' dtype; `lay` a
+        kernels.cpu.StepLayout (tokens None: its ids); the residual adds
+        fused into the o and down GEMMs."""
+        cpu, eps = self.backend.cpu, self.cfg.rms_norm_eps
+        x = cpu.embed(self.embed, lay.ids if tokens is None else tokens)
+        self._layers_cpu(x, lay, k_cache, v_cache)
+        if rows is not None and rows.shape[0] != x.shape[0]:  # as many rows as tokens: every row, in order
+            x = x[rows]
+        return cpu.linear(cpu.rmsnorm(x, self.norm, eps), self.lm_head)
 
     def _layers_cpu(self, x: torch.Tensor, lay, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The layers one kernel call at a time: what sf_forward does in C,

@@ -5,6 +5,8 @@ instead of seven a layer."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from superfluid.kernels.cpu import (
@@ -93,6 +95,7 @@ class Stack:
         self._scratch_n = -1
         self._scratch_bufs: tuple = ()
         self.comm_s = 0.0
+        self.kernel_s = 0.0  # seconds in forward_head's call into C, summed (the rest of a step is the host's)
 
     def _attach(self, k_pools, v_pools) -> None:
         if len(k_pools) != len(self.layers) or len(v_pools) != len(self.layers):
@@ -104,7 +107,6 @@ class Stack:
         m = self.model
         m.kv_bf16, m.head_stride, m.page = int(k_pools[0].dtype == torch.bfloat16), k_pools[0].stride(0), \
             k_pools[0].shape[2]
-        self._keep_pool = (k_pools, v_pools)
 
     def _begin(self, x: torch.Tensor | None, layout: StepLayout, k_pools, v_pools, what: str) -> None:
         """What the C side trusts of a step's x, layout and pools; the pools
@@ -113,18 +115,17 @@ class Stack:
         if x is not None and (x.dtype != torch.float32 or x.dim() != 2 or x.shape != (layout.n, hidden)
                               or not x.is_contiguous()):
             raise ValueError(f"Stack.{what}: x must be contiguous float32 [{layout.n}, {hidden}]")
-        k = k_pools[0]
-        key = (k.data_ptr(), v_pools[0].data_ptr(), k.shape, v_pools[0].shape, k.dtype, v_pools[0].dtype,
-               len(k_pools), len(v_pools))
-        if self._pool != key:
-            _check_pools(layout, k, v_pools[0], nkv, hd, self.cos, self.sin)
+        held = self._pool
+        same = held is not None and len(held[0]) == len(k_pools) and len(held[1]) == len(v_pools) \
+            and all(a is b for a, b in zip(held[0], k_pools)) and all(a is b for a, b in zip(held[1], v_pools))
+        if not same:  # (the tensors held: the same objects are the same pools, no torch call a step to see it)
+            _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
             self._attach(k_pools, v_pools)
-            self._pool = key
-        elif layout.page != k.shape[2]:
-            raise ValueError("attention: K and V pools must be contiguous float32/bfloat16 "
-                             "[kv, blocks, page, head_dim]")
-        else:
-            check_bounds(layout, k.shape[1], k.shape[2], self.cos.shape[0])
+            blocks, page = k_pools[0].shape[1], k_pools[0].shape[2]
+            self._pool = held = (tuple(k_pools), tuple(v_pools), blocks, page)
+        if layout.page != held[3]:
+            raise ValueError(f"Stack.{what}: a layout of page {layout.page} for pools of page {held[3]}")
+        check_bounds(layout, held[2], held[3], self.cos.shape[0])
 
     def _scratch(self, n: int) -> tuple:
         """A step's buffers for the kernels between layers (x, h, qkv, att,
@@ -195,9 +196,11 @@ class Stack:
             xs, ids = _f(x), ffi.NULL
         tok = ffi.new("int64_t[]", nrows) if picks is not None else ffi.NULL
         bad = ffi.new("uint8_t[]", nrows) if picks is not None else ffi.NULL
+        t0 = time.perf_counter()
         rc = lib.sf_forward_head(self.model, self.head, xs, ids, n, pos, cells, feed_of, tables, layout.width, h, qkv,
                                  att, gu, act, parts, ffi.NULL if rows is None else _i64(rows), nrows, _f(logits),
                                  tok, bad, _threads())
+        self.kernel_s += time.perf_counter() - t0
         del bufs  # (held over the call: a wide step's buffers are not kept)
         if rc == -3:
             raise IndexError(f"Stack.forward_head: a token outside the embedding or a row outside the step's {n}")

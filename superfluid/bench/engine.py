@@ -23,7 +23,8 @@ bandwidth (measured once per run), the bytes a decode step must read (the
 matmul weights and LM head at the dtype) and the floor's ms a step; per
 batch a step's ms and its floor and peak fractions (floor ms over step ms,
 achieved over peak GF/s: how near a step came to what memory and the GEMMs
-allow). The run reports threads, the ISA (torch's and our kernels' path,
+allow), and the host's ms a step (outside the kernels' one call). The run
+reports threads, the ISA (torch's and our kernels' path,
 best path and CPU features), the numeric class of each block, the load
 average and other processes' CPU share meanwhile (bench/system.py).
 
@@ -136,18 +137,21 @@ def _ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtype: 
     for s in warm:
         rt.seq_free(s)
     seqs = [rt.seq_create() for _ in range(b)]
+    stack = getattr(getattr(rt, "model", None), "stack", None)
     _sync(device)
     t0 = time.perf_counter()
     toks = rt.step_sampled([Feed(s, row.tolist(), True) for s, row in zip(seqs, prompts)], greedy)
     _sync(device)
     t1 = time.perf_counter()
     out = [toks]
+    kernel_s = stack.kernel_s if stack is not None else None
     for _ in range(gen - 1):
         toks = rt.step_sampled([Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy)
         out.append(toks)
     _sync(device)
     t2 = time.perf_counter()
     res: dict[str, Any] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": np.array(out).T,
+                           "kernel_s": None if kernel_s is None else stack.kernel_s - kernel_s,
                            "numeric_class": rt.desc.numeric_class, "isa": rt.desc.isa}
     if profile:
         res["profile"] = _profile_step(rt, [Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy, device)
@@ -230,7 +234,8 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
             taxes[key] = round(ours["decode_s"] / plain["decode_s"] - 1, 4)
         log(f"{tag} batch {b}: decode {res['decode_tok_s'][key]} tok/s (hf {res['hf_decode_tok_s'][key]}), "
             f"prefill {res['prefill_tok_s'][key]} tok/s (hf {res['hf_prefill_tok_s'][key]}), "
-            f"{res['achieved_gflops'][key]} GF/s, floor fraction {res['floor_fraction'][key]}"
+            f"{res['achieved_gflops'][key]} GF/s, floor fraction {res['floor_fraction'][key]}, "
+            f"host {res['host_ms'][key]} ms a step"
             + (f", invariance tax {taxes[key]:+.1%}" if tax else ""))
     del hf_model
     if tax:

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-# Per batch, besides tokens/s: our decode's GF/s, a decode step's ms, and the floor and peak fractions.
-PER_BATCH = ("achieved_gflops", "step_ms", "floor_fraction", "peak_fraction")
+# Per batch, besides tokens/s: our decode's GF/s, a decode step's ms, the floor and peak fractions, and
+# the ms of a step outside the kernels' one call (the host's: Python, the step's layout, the token list).
+PER_BATCH = ("achieved_gflops", "step_ms", "floor_fraction", "peak_fraction", "host_ms")
 
 
 def matmul_weights(cfg) -> int:
@@ -53,7 +54,9 @@ def rates(cfg, prompts: np.ndarray, gen: int, ours: dict[str, Any], peak: float,
     b, p = prompts.shape
     gflops = decode_flops(cfg, b, p, gen) / ours["decode_s"] / 1e9
     step_ms = ours["decode_s"] / max(1, gen - 1) * 1e3
+    kernel_s = ours.get("kernel_s")
     return {"prefill_tok_s": round(b * p / ours["prefill_s"], 1),
             "decode_tok_s": round(b * (gen - 1) / ours["decode_s"], 1),
             "achieved_gflops": g4(gflops), "step_ms": g4(step_ms),
-            "floor_fraction": g4(floor_ms / step_ms), "peak_fraction": g4(gflops / peak) if peak else None}
+            "floor_fraction": g4(floor_ms / step_ms), "peak_fraction": g4(gflops / peak) if peak else None,
+            "host_ms": None if kernel_s is None else g4((ours["decode_s"] - kernel_s) / max(1, gen - 1) * 1e3)}
