@@ -208,11 +208,11 @@ static void probe_task(const void *ctx, long task) {
     j->sink[task] = s0 ^ s1 ^ s2 ^ s3;
 }
 
-/* Reads `bytes` at p once on nthreads threads, in 64 KiB tasks (the
+/* Reads `bytes` at p once on nthreads threads, in 128 KiB tasks (the
  * benches' read-bandwidth probe: a GEMV's access pattern, not a library's
  * reduction). Returns an xor of the words, or 0 without memory. */
 uint64_t sf_read_probe(const void *p, long bytes, int nthreads) {
-    probe_job j = {(const uint64_t *)p, bytes / 8, 8192, NULL};
+    probe_job j = {(const uint64_t *)p, bytes / 8, 16384, NULL};
     long tasks = (j.words + j.per - 1) / j.per;
     j.sink = (uint64_t *)calloc(tasks > 0 ? tasks : 1, sizeof(uint64_t));
     if (!j.sink) return 0;

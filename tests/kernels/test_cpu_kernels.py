@@ -270,7 +270,7 @@ def test_greedy_picks_what_greedy_sampling_picks_and_flags_what_the_step_flags(b
 def test_the_read_probe_reads_every_word():
     """sf_read_probe (the benches' bandwidth probe) xors every word once, so
     it cannot skip memory: its result is the words' xor, at any thread count."""
-    words = torch.randint(-2**62, 2**62, (3 * 8192 + 5,), dtype=torch.int64)
+    words = torch.randint(-2**62, 2**62, (3 * 16384 + 5,), dtype=torch.int64)
     want = 0
     for w in words.tolist():
         want ^= w & (2**64 - 1)
