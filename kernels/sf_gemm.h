@@ -83,17 +83,23 @@ static inline const void *panel_at(const gemm_args *a, int p, long k0) {
     return a->wtype == WT_F32 ? (const void *)((const float *)a->w + at) : (const void *)((const uint16_t *)a->w + at);
 }
 
-/* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y. */
+/* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y
+ * (v = acc + bias, then y + v: the branches outside the loops, which the
+ * compiler then vectorizes; elementwise, so the same bits). */
 static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
     int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
+    const float *b = a->bias ? a->bias + o0 : NULL;
     for (int t = 0; t < nt; t++) {
         float *y = a->y + (long)(t0 + t) * a->ldy + o0;
-        for (int i = 0; i < m; i++) {
-            float v = acc[t * lda + i];
-            if (a->bias) v = v + a->bias[o0 + i];
-            if (a->resid) v = y[i] + v;
-            y[i] = v;
-        }
+        const float *c = acc + t * lda;
+        if (b && a->resid)
+            for (int i = 0; i < m; i++) y[i] = y[i] + (c[i] + b[i]);
+        else if (b)
+            for (int i = 0; i < m; i++) y[i] = c[i] + b[i];
+        else if (a->resid)
+            for (int i = 0; i < m; i++) y[i] = y[i] + c[i];
+        else
+            memcpy(y, c, sizeof(float) * m);
     }
 }
 
