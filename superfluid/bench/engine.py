@@ -15,6 +15,9 @@ model's hidden size, depth and vocabulary (--tiny-only: the tiny one), on
 our Mamba2 runtime and HF Mamba2ForCausalLM, with our logits checked within
 1e-4 of HF's. --no-mamba2 skips them.
 
+--repeats N (default 3): each measurement (ours, HF, the peers) N rounds, the
+median round reported; our rounds must decode the same tokens.
+
 --dtype fp32|bf16|both: the fp32 numbers are the JSON's top-level keys, the
 bf16 run's the same keys under "bf16". Each block also has the measured
 peak GEMM GF/s and our decode's achieved GF/s per batch (model FLOPs of the
@@ -62,6 +65,7 @@ import torch
 
 from superfluid.bench import peers as peer_runs, system
 from superfluid.bench.engine_isa import isa_key, isa_list, isa_names, isa_runs
+from superfluid.bench.engine_runs import load_hf, run_hf, run_ours
 from superfluid.bench.roofline import PER_BATCH, g4, rates, weight_bytes
 
 BATCHES = (1, 8, 32, 64)
@@ -103,96 +107,6 @@ def checkpoint(name: str, **params: Any) -> Path:
     return out
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _profile_step(rt, feeds, specs, device: str) -> tuple[str, dict[str, Any]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        rt.step_sampled(feeds, specs)
-        _sync(device)
-    avg = prof.key_averages()
-    top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
-    ops = {e.key: {"self_cpu_us": round(e.self_cpu_time_total, 1), "count": e.count} for e in top}
-    return avg.table(sort_by="self_cpu_time_total", row_limit=25), ops
-
-
-def _ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtype: torch.dtype, device: str,
-          backend: str, profile: bool = False) -> dict[str, Any]:
-    from superfluid.engine import Feed, SampleSpec, load
-
-    b, p = prompts.shape
-    rt = load(path, backend, device=device, dtype=dtype, kv_cells=b * (p + gen + 17) + 64 * 16,
-              max_batch=max(64, b), invariant=invariant, prefill_step_tokens=0)
-    greedy = [SampleSpec()] * b
-    # Warm-up. On the GPU at the full batch: kernels compile per shape.
-    warm_rows = prompts if device == "cuda" else prompts[:1, :8]
-    warm = [rt.seq_create() for _ in warm_rows]
-    toks = rt.step_sampled([Feed(s, r.tolist(), True) for s, r in zip(warm, warm_rows)], greedy[:len(warm)])
-    for _ in range(2 if device == "cuda" else 0):
-        toks = rt.step_sampled([Feed(s, [t], True) for s, t in zip(warm, toks)], greedy[:len(warm)])
-    for s in warm:
-        rt.seq_free(s)
-    seqs = [rt.seq_create() for _ in range(b)]
-    stack = getattr(getattr(rt, "model", None), "stack", None)
-    _sync(device)
-    t0 = time.perf_counter()
-    toks = rt.step_sampled([Feed(s, row.tolist(), True) for s, row in zip(seqs, prompts)], greedy)
-    _sync(device)
-    t1 = time.perf_counter()
-    out = [toks]
-    kernel_s = stack.kernel_s if stack is not None else None
-    for _ in range(gen - 1):
-        toks = rt.step_sampled([Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy)
-        out.append(toks)
-    _sync(device)
-    t2 = time.perf_counter()
-    res: dict[str, Any] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": np.array(out).T,
-                           "kernel_s": None if kernel_s is None else stack.kernel_s - kernel_s,
-                           "numeric_class": rt.desc.numeric_class, "isa": rt.desc.isa}
-    if profile:
-        res["profile"] = _profile_step(rt, [Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy, device)
-    rt.close()
-    return res
-
-
-def _hf_model(path: Path, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-
-def _hf(model, prompts: np.ndarray, gen: int, device: str) -> dict[str, Any]:
-    ids = torch.from_numpy(prompts).long().to(device)
-    mask = torch.ones_like(ids)
-    p = ids.shape[1]
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids[:, :8], max_new_tokens=2, **{**kw, "attention_mask": mask[:, :8]})
-        _sync(device)
-        t0 = time.perf_counter()
-        model(ids, attention_mask=mask)
-        _sync(device)
-        prefill_s = time.perf_counter() - t0
-        # Decode: generate(gen) less generate(1), which is the prefill and its first token. A few
-        # short decode steps can drown in the noise of a loaded machine: measure again then.
-        for _ in range(3):
-            t1 = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, **kw)
-            _sync(device)
-            t2 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw).cpu()
-            t3 = time.perf_counter()
-            if (t3 - t2) - (t2 - t1) > 0:
-                break
-    return {"prefill_s": prefill_s, "decode_s": max(1e-9, (t3 - t2) - (t2 - t1)), "tokens": out[:, p:].numpy()}
-
-
 def _prompts(batches: tuple[int, ...], prompt_len: int, vocab: int) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(0)
     return {b: rng.integers(0, vocab, (b, prompt_len)) for b in batches}
@@ -200,7 +114,7 @@ def _prompts(batches: tuple[int, ...], prompt_len: int, vocab: int) -> dict[int,
 
 def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int, gen: int, *,
                 dtype: torch.dtype, device: str, backend: str, tax: bool, profile: bool, peak: float,
-                read_gbs: float, log) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+                read_gbs: float, repeats: int, log) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     from superfluid.engine.config import load_config
 
     cfg = load_config(path)
@@ -211,11 +125,12 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
         res["profile"] = {}
     taxes: dict[str, float] = {}
     tokens: dict[int, np.ndarray] = {}
-    hf_model = _hf_model(path, dtype, device)
+    hf_model = load_hf(path, dtype, device)
     tag = f"{name} {str(dtype).removeprefix('torch.')}"
     for b, prompts in _prompts(batches, prompt_len, cfg.vocab_size).items():
-        ours = _ours(path, prompts, gen, True, dtype=dtype, device=device, backend=backend, profile=profile)
-        hf = _hf(hf_model, prompts, gen, device)
+        ours = run_ours(path, prompts, gen, True, dtype=dtype, device=device, backend=backend, profile=profile,
+                     repeats=repeats)
+        hf = run_hf(hf_model, prompts, gen, device, repeats)
         key = str(b)
         tokens[b] = ours["tokens"]
         res["numeric_class"] = ours["numeric_class"]
@@ -230,7 +145,7 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
             print(f"--- profile: {tag}, one decode step at batch {b} ---\n{table}", file=sys.stderr,
                   flush=True)
         if tax:
-            plain = _ours(path, prompts, gen, False, dtype=dtype, device=device, backend=backend)
+            plain = run_ours(path, prompts, gen, False, dtype=dtype, device=device, backend=backend, repeats=repeats)
             taxes[key] = round(ours["decode_s"] / plain["decode_s"] - 1, 4)
         log(f"{tag} batch {b}: decode {res['decode_tok_s'][key]} tok/s (hf {res['hf_decode_tok_s'][key]}), "
             f"prefill {res['prefill_tok_s'][key]} tok/s (hf {res['hf_prefill_tok_s'][key]}), "
@@ -247,7 +162,7 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
 
 def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str, batches: tuple[int, ...],
            prompt_len: int, gen: int, *, device: str, backend: str, tax: bool, profile: bool,
-           peers: list[str], peak_n: int, read_gbs: float, isa: list[str], log) -> dict[str, Any]:
+           peers: list[str], peak_n: int, read_gbs: float, isa: list[str], repeats: int, log) -> dict[str, Any]:
     """One dtype's run: every model, the headline model's keys at the top."""
     peak, n = system.peak_gflops(dtype, device, peak_n)
     block: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "peak_gflops": peak,
@@ -258,16 +173,17 @@ def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str,
         path = checkpoint(name, **params)
         rows, tokens = _model_rows(name, path, batches, prompt_len, gen, dtype=dtype, device=device,
                                    backend=backend, tax=tax and name == headline,
-                                   profile=profile and name == headline, peak=peak, read_gbs=read_gbs, log=log)
+                                   profile=profile and name == headline, peak=peak, read_gbs=read_gbs,
+                                   repeats=repeats, log=log)
         block["models"][name] = rows
         if name == headline and peers:
             prompts = _prompts(batches, prompt_len, params["vocab_size"])
             block["peers"] = peer_runs.run_peers(peers, path, dtype, prompts, tokens, gen,
-                                                 torch.get_num_threads(), log)
+                                                 torch.get_num_threads(), log, repeats=repeats)
         if name == headline and isa:
             runs = isa_runs(isa, path, _prompts(batches, prompt_len, params["vocab_size"]), gen, tokens,
-                            ours=partial(_ours, path, gen=gen, invariant=True, dtype=dtype, device="cpu",
-                                         backend="torch"),
+                            ours=partial(run_ours, path, gen=gen, invariant=True, dtype=dtype, device="cpu",
+                                         backend="torch", repeats=repeats),
                             peak=peak, floor_ms=rows["floor_ms"], log=log)
     head = block["models"][headline]
     for k in (*_KEYS, *PER_BATCH, "greedy_agreement", "numeric_class", "weight_bytes", "floor_ms",
@@ -285,7 +201,7 @@ def _block(dtype: torch.dtype, models: dict[str, dict[str, Any]], headline: str,
 def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: int = 32, small: bool = True,
         dtype: str = "both", threads: int | None = None, device: str = "cpu", profile: bool = False,
         peers: tuple[str, ...] = (), peak_n: int | None = None, mamba2: bool = True, isa: tuple[str, ...] = (),
-        log=lambda s: None) -> dict[str, Any]:
+        repeats: int = 3, log=lambda s: None) -> dict[str, Any]:
     """The bench's JSON. device "cuda": the ~0.5B model, triton backend, bf16
     unless `dtype` says otherwise; no invariance tax, no peers, no Mamba2,
     no `isa` runs. mamba2 (CPU): the Mamba2 rows under "mamba2", the small
@@ -319,7 +235,8 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
         blocks = {dt: _block(DTYPES[dt], models, headline, batches, prompt_len, gen, device=device,
                              backend="triton" if cuda else "torch", tax=not cuda, profile=profile,
                              peers=[] if cuda else list(peers), peak_n=peak_n or (8192 if cuda else 2048),
-                             read_gbs=bandwidth["read_gbs"], isa=[] if cuda else list(isa), log=log)
+                             read_gbs=bandwidth["read_gbs"], isa=[] if cuda else list(isa), repeats=repeats,
+                             log=log)
                   for dt in dtypes}
         m2 = _mamba2(batches, prompt_len, gen, small, log) if mamba2 and not cuda else None
         n_threads = torch.get_num_threads()
@@ -339,7 +256,7 @@ def run(*, batches: tuple[int, ...] | None = None, prompt_len: int = 128, gen: i
     result["device"] = device
     result["backend"] = "triton" if cuda else "torch"
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches),
+    result["workload"] = {"prompt_len": prompt_len, "gen": gen, "batches": list(batches), "repeats": repeats,
                           "dtypes": [str(DTYPES[d]).removeprefix("torch.") for d in dtypes],
                           "headline_model": headline, "mamba2": mamba2 and not cuda,
                           "isa": [] if cuda else [isa_key(n) for n in isa]}
@@ -362,6 +279,13 @@ def _mamba2(batches: tuple[int, ...], prompt_len: int, gen: int, small: bool, lo
     return res
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _main(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         msg = "no CUDA GPU present: bench engine --device cuda has nothing to run"
@@ -371,7 +295,8 @@ def _main(args: argparse.Namespace) -> int:
     peers = tuple(p for p in (args.peers or "").split(",") if p)
     res = run(batches=tuple(args.batches) if args.batches else None, prompt_len=args.prompt_len, gen=args.gen,
               small=not args.tiny_only, dtype=args.dtype, threads=args.threads, device=args.device,
-              profile=args.profile, peers=peers, mamba2=not args.no_mamba2, isa=tuple(args.isa), log=log)
+              profile=args.profile, peers=peers, mamba2=not args.no_mamba2, isa=tuple(args.isa),
+              repeats=args.repeats, log=log)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -400,6 +325,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"default {' '.join(map(str, BATCHES))} (cuda: {' '.join(map(str, CUDA_BATCHES))})")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=32, help="decode steps (tokens per lane)")
+    p.add_argument("--repeats", type=_positive, default=3,
+                   help="rounds of each measurement (ours, HF, peers): the median round is reported")
     p.add_argument("--tiny-only", action="store_true", help="skip the small models (transformer and Mamba2)")
     p.add_argument("--no-mamba2", action="store_true", help="skip the Mamba2 rows")
     p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",

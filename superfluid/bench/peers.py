@@ -37,8 +37,9 @@ _MODULES = {"llamacpp": ("llama_cpp", "gguf"), "vllm": ("vllm",)}
 
 
 def run_peers(names: list[str], path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray],
-              ours: dict[int, np.ndarray], gen: int, threads: int, log) -> dict[str, Any]:
-    """{name: {installed, greedy_agreement, decode_tok_s, error}} for each name."""
+              ours: dict[int, np.ndarray], gen: int, threads: int, log, repeats: int = 1) -> dict[str, Any]:
+    """{name: {installed, greedy_agreement, decode_tok_s, error}} for each name
+    (llama.cpp's decode: the median of `repeats` runs)."""
     out: dict[str, Any] = {}
     for name in names:
         row: dict[str, Any] = {"installed": False, "greedy_agreement": None, "decode_tok_s": {},
@@ -52,8 +53,10 @@ def run_peers(names: list[str], path: Path, dtype: torch.dtype, prompts: dict[in
             continue
         row["installed"] = True
         try:
-            run = _llamacpp if name == "llamacpp" else _vllm
-            row.update(run(path, dtype, prompts, ours, gen, threads))
+            if name == "llamacpp":
+                row.update(_llamacpp(path, dtype, prompts, ours, gen, threads, repeats))
+            else:
+                row.update(_vllm(path, dtype, prompts, ours, gen, threads))
         except Exception as e:  # a peer's failure is a result, never the bench's
             row["error"] = f"{type(e).__name__}: {e}"
         log(f"peer {name} {_dtype_name(dtype)}: decode {row['decode_tok_s']} tok/s, "
@@ -173,7 +176,7 @@ def write_gguf(ckpt: Path, out: Path, dtype: torch.dtype) -> Path:
 
 
 def _llamacpp(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ours: dict[int, np.ndarray],
-              gen: int, threads: int) -> dict[str, Any]:
+              gen: int, threads: int, repeats: int = 1) -> dict[str, Any]:
     import llama_cpp
 
     b0 = min(prompts)
@@ -197,9 +200,11 @@ def _llamacpp(path: Path, dtype: torch.dtype, prompts: dict[int, np.ndarray], ou
 
     try:
         greedy(2)  # warm-up
-        toks, _prefill_s, decode_s = greedy(gen)
+        runs = [greedy(gen) for _ in range(max(1, repeats))]
     finally:
         llm.close()
+    toks = runs[0][0]
+    decode_s = float(np.median([r[2] for r in runs]))
     res: dict[str, Any] = {"greedy_agreement": {"1": _agreement(toks, want)},
                            "decode_tok_s": {"1": round((gen - 1) / max(decode_s, 1e-9), 1)},
                            "gguf": gguf_path.name}

@@ -114,6 +114,7 @@ def test_bench_engine_keys(tmp_path, monkeypatch):
     assert len(load["loadavg_before"]) == 3 and len(load["loadavg_after"]) == 3
     assert 0 <= load["other_processes_cpu_share"] <= 1
     assert res["workload"]["dtypes"] == ["float32", "bfloat16"]
+    assert res["workload"]["repeats"] == 3  # each figure the median of 3 rounds (ours: the same tokens each)
 
 
 def test_weight_bytes_are_the_checkpoints_matmul_weights(tmp_path):
