@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
@@ -154,7 +155,7 @@ class Model:
         return sum(t.nbytes if hasattr(t, "out") else t.numel() * t.element_size() for t in seen.values())
 
     def forward(self, tokens: torch.Tensor | None, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rows: torch.Tensor | None, picks: list | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None, picks: list[Any] | None = None) -> torch.Tensor:
         """tokens [n] of the step (None where takes_ids: the layout's); the
         pool's K/V [layers, blocks, page, kv_heads, head_dim]; `rows`: token
         indices whose logits are wanted (None: every token). Returns logits
@@ -178,7 +179,7 @@ class Model:
         return self.stack is not None
 
     def _forward_stack(self, tokens: torch.Tensor | None, lay, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       rows: torch.Tensor | None, picks: list | None) -> torch.Tensor:
+                       rows: torch.Tensor | None, picks: list[Any] | None) -> torch.Tensor:
         """The layer stack's forward: one call into C a step, from the ids
         (tokens None: the layout's) to the logits (and greedy picks)."""
         pools = self._pools

@@ -166,7 +166,7 @@ class TransformerRuntime(Runtime):
             raise CapacityError(f"the step needs {need} KV blocks, {self.pool.n_free} are free")
         return states
 
-    def _forward(self, feeds: Sequence[Feed], all_rows: bool, picks: list | None = None) -> torch.Tensor:
+    def _forward(self, feeds: Sequence[Feed], all_rows: bool, picks: list[Any] | None = None) -> torch.Tensor:
         """Logits of the wanted rows (every token's with all_rows), feed order;
         `picks` as Model.forward's."""
         states = self._check(feeds)
@@ -251,7 +251,7 @@ class TransformerRuntime(Runtime):
         if greedy is not None and masks is None and not any(s.temperature > 0 for s in specs):
             # Every row greedy, no mask (most decode steps): one pass in C, not ~15 torch ops (the
             # CPU stack's own call makes it on the way)
-            picks: list = []
+            picks: list[Any] = []
             logits = self._forward(feeds, all_rows=False, picks=picks)
             picked, nonfinite = picks if picks else greedy(logits)
             return [NONFINITE if b else t for t, b in zip(picked, nonfinite)]

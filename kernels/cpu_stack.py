@@ -6,6 +6,7 @@ instead of seven a layer."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -116,13 +117,14 @@ class Stack:
                               or not x.is_contiguous()):
             raise ValueError(f"Stack.{what}: x must be contiguous float32 [{layout.n}, {hidden}]")
         held = self._pool
-        same = held is not None and len(held[0]) == len(k_pools) and len(held[1]) == len(v_pools) \
-            and all(a is b for a, b in zip(held[0], k_pools)) and all(a is b for a, b in zip(held[1], v_pools))
-        if not same:  # (the tensors held: the same objects are the same pools, no torch call a step to see it)
+        if held is None or len(held[0]) != len(k_pools) or len(held[1]) != len(v_pools) \
+                or not all(a is b for a, b in zip(held[0], k_pools)) \
+                or not all(a is b for a, b in zip(held[1], v_pools)):
+            # (the tensors held: the same objects are the same pools, no torch call a step to see it)
             _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
             self._attach(k_pools, v_pools)
-            blocks, page = k_pools[0].shape[1], k_pools[0].shape[2]
-            self._pool = held = (tuple(k_pools), tuple(v_pools), blocks, page)
+            held = (tuple(k_pools), tuple(v_pools), k_pools[0].shape[1], k_pools[0].shape[2])
+            self._pool = held
         if layout.page != held[3]:
             raise ValueError(f"Stack.{what}: a layout of page {layout.page} for pools of page {held[3]}")
         check_bounds(layout, held[2], held[3], self.cos.shape[0])
@@ -173,7 +175,7 @@ class Stack:
 
     @_profiled
     def forward_head(self, x: torch.Tensor | None, layout: StepLayout, k_pools, v_pools,
-                     rows: torch.Tensor | None = None, picks: list | None = None) -> torch.Tensor:
+                     rows: torch.Tensor | None = None, picks: list[Any] | None = None) -> torch.Tensor:
         """A step's logits in one call into C: x [n, hidden] (the embeddings;
         None: the layout's ids, embedded here) through every layer, the final
         norm of the rows wanted (indices into the step's tokens; None: every

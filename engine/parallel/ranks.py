@@ -80,7 +80,7 @@ class LeaderModel:
         self.stats.ship_s += time.perf_counter() - t0
 
     def forward(self, tokens: torch.Tensor, lay: StepLayout, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rows: torch.Tensor | None, picks: list | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None, picks: list[Any] | None = None) -> torch.Tensor:
         """Model.forward's (no greedy picks on the way: `picks` stays empty)."""
         arrays = {"tokens": tokens.cpu().numpy(), "positions": lay.positions.numpy(), "cells": lay.cells.numpy(),
                   "feed_of": lay.feed_of.numpy(), "tables": lay.tables.numpy()}

@@ -60,13 +60,13 @@ def run_ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtyp
         sync(device)
         t1 = time.perf_counter()
         out = [toks]
-        kernel0 = stack.kernel_s if stack is not None else None
+        kernel0 = stack.kernel_s if stack is not None else 0.0
         for _ in range(gen - 1):
             toks = rt.step_sampled([Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy)
             out.append(toks)
         sync(device)
         t2 = time.perf_counter()
-        rounds.append((t1 - t0, t2 - t1, None if kernel0 is None else stack.kernel_s - kernel0))
+        rounds.append((t1 - t0, t2 - t1, None if stack is None else stack.kernel_s - kernel0))
         got = np.array(out).T
         if first is None:
             first = got

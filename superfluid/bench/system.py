@@ -179,14 +179,14 @@ def _read_passes(threads: int, device: str, mib: int, repeats: int) -> dict[str,
         del buf
     finally:
         torch.set_num_threads(before)
-    out = {"read_gbs": round((mib << 20) / best / 1e9, 2), "statistic": "best", "repeats": repeats,
-           "buffer_mib": mib, "threads": threads, "device": device}
+    gbs = round((mib << 20) / best / 1e9, 2)
+    out: dict[str, Any] = {"read_gbs": gbs, "statistic": "best", "repeats": repeats, "buffer_mib": mib,
+                           "threads": threads, "device": device}
     if probe is not None:
         # The faster of torch.sum and our kernels' probe (four streams a thread, as the decode GEMV
         # reads): the floor is what the memory can do, not what one library's reduction gets
-        out["torch_sum_gbs"] = out["read_gbs"]
-        out["kernel_probe_gbs"] = round((mib << 20) / probe / 1e9, 2)
-        out["read_gbs"] = max(out["torch_sum_gbs"], out["kernel_probe_gbs"])
+        kernel_gbs = round((mib << 20) / probe / 1e9, 2)
+        out.update(torch_sum_gbs=gbs, kernel_probe_gbs=kernel_gbs, read_gbs=max(gbs, kernel_gbs))
     return out
 
 
