@@ -5,7 +5,7 @@ attention takes each token over its own sequence's cells (kernels/attention.py).
 The ops come from a backend (kernels/backend.py). On the CPU kernels'
 backend projections are fused (q/k/v into one matrix, gate/up into
 another), the weights packed once here, at load, and every layer of a step
-runs in one call into C (_forward_cpu). On the torch and Triton backends the
+runs in one call into C (_forward_stack). On the torch and Triton backends the
 layers run in blocks of fixed shapes (engine/blocked.py), so that a tensor-
 parallel group of any degree computes the very same GEMMs.
 """
@@ -127,7 +127,7 @@ class Model:
                 t = getattr(layer, name)
                 if t is not None:
                     setattr(layer, name, t.float().contiguous())
-        self._weights_map = in_huge_pages([getattr(L, n) for L in self.layers for n in _LINEARS] + [self.lm_head])
+        self.huge_pages = in_huge_pages([getattr(L, n) for L in self.layers for n in _LINEARS] + [self.lm_head])
         cfg = self.cfg
         self.stack = Stack(self.layers, hidden=cfg.hidden_size, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,

@@ -111,7 +111,7 @@ class Backend:
 class CpuBackend(Backend):
     """The CPU serving path: kernels/cpu.py (sf_cpu.c), invariant by
     construction at any width and thread count. The model packs its weights
-    once at load and calls the kernels directly (Model._forward_cpu)."""
+    once at load and calls the kernels directly (Model._forward_stack)."""
 
     fused_cpu = True
     dense_kv = False  # attention reads the paged pool in place

@@ -29,13 +29,14 @@ from superfluid.kernels.cpu import (
 TP_CHUNK_BYTES = 512 << 10
 
 
-def in_huge_pages(packs: list) -> object | None:
+def in_huge_pages(packs: list) -> bool:
     """Moves the packed weights into one mapping the kernel may back with
     2 MiB pages (transparent huge pages, madvise): a batch-1 step streams
     every weight, and in 4 KiB pages that walks ~20k pages a step, evicting
     the TLB entries of everything else (~3-5% of a small model's decode step
-    here). Returns the mapping (keep it with the weights), or None where no
-    such mapping can be had (the weights stay where they are)."""
+    here). The weights' tensors hold the mapping (it is never closed: it
+    lives as long as they do). False where no such mapping can be had (the
+    weights stay where they are)."""
     import mmap
 
     align = 2 << 20
@@ -43,7 +44,7 @@ def in_huge_pages(packs: list) -> object | None:
     try:
         m = mmap.mmap(-1, sum(sizes) + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, ValueError, AttributeError):  # no memory for a second copy now, or no anonymous mmap
-        return None
+        return False
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
@@ -57,7 +58,7 @@ def in_huge_pages(packs: list) -> object | None:
         w.copy_(p.w)
         p.w = w
         at += size
-    return m
+    return True
 
 
 class Stack:
@@ -93,7 +94,7 @@ class Stack:
             wtype=wtypes.pop() if wtypes else 0, eps=eps, scale=scale, cos=_f(cos), sin=_f(sin), layers=self.layers))
         self._pool: tuple | None = None
         self.head = None  # sf_head * (set_head)
-        self._scratch_n = -1
+        self._scratch_key: tuple[int, bool] | None = None
         self._scratch_bufs: tuple = ()
         self.comm_s = 0.0
         self.kernel_s = 0.0  # seconds in forward_head's call into C, summed (the rest of a step is the host's)
@@ -101,9 +102,12 @@ class Stack:
     def _attach(self, k_pools, v_pools) -> None:
         if len(k_pools) != len(self.layers) or len(v_pools) != len(self.layers):
             raise ValueError(f"Stack: {len(self.layers)} layers, {len(k_pools)}/{len(v_pools)} pools")
+        k0 = k_pools[0]
+        for k, v in zip(k_pools, v_pools):  # all checked before any layer is switched
+            if not (k.is_contiguous() and v.is_contiguous()) or k.shape != k0.shape or v.shape != k.shape \
+                    or k.dtype != k0.dtype or v.dtype != k0.dtype:
+                raise ValueError("Stack: each layer's pool must be contiguous heads-major, all of one shape and dtype")
         for c, k, v in zip(self.layers, k_pools, v_pools):
-            if not (k.is_contiguous() and v.is_contiguous()) or k.shape != k_pools[0].shape or v.shape != k.shape:
-                raise ValueError("Stack: each layer's pool must be contiguous heads-major, all of one shape")
             c.k_pool, c.v_pool = _v(k), _v(v)
         m = self.model
         m.kv_bf16, m.head_stride, m.page = int(k_pools[0].dtype == torch.bfloat16), k_pools[0].stride(0), \
@@ -121,6 +125,7 @@ class Stack:
                 or not all(a is b for a, b in zip(held[0], k_pools)) \
                 or not all(a is b for a, b in zip(held[1], v_pools)):
             # (the tensors held: the same objects are the same pools, no torch call a step to see it)
+            self._pool = None  # a refused set leaves no half-trusted one behind
             _check_pools(layout, k_pools[0], v_pools[0], nkv, hd, self.cos, self.sin)
             self._attach(k_pools, v_pools)
             held = (tuple(k_pools), tuple(v_pools), k_pools[0].shape[1], k_pools[0].shape[2])
@@ -129,19 +134,22 @@ class Stack:
             raise ValueError(f"Stack.{what}: a layout of page {layout.page} for pools of page {held[3]}")
         check_bounds(layout, held[2], held[3], self.cos.shape[0])
 
-    def _scratch(self, n: int) -> tuple:
-        """A step's buffers for the kernels between layers (x, h, qkv, att,
-        gu, act, parts) and their C pointers, kept while steps of up to 64
-        tokens have the same width: decode steps allocate nothing, and a long
-        prefill's buffers are not held after it."""
-        if self._scratch_n == n:
+    def _scratch(self, n: int, with_x: bool = False) -> tuple:
+        """A step's float32 buffers for the kernels between layers (x when
+        with_x, else None; h, qkv, att, gu, act, parts) and their C pointers,
+        kept while steps of up to 64 tokens have the same width: decode steps
+        allocate nothing, and a long prefill's buffers are not held after it."""
+        if self._scratch_key == (n, with_x):
             return self._scratch_bufs
         hidden, nh, nkv, hd, inter = self.shape
-        e = torch.empty
-        bufs = (e((n, hidden)), e((n, max(hidden, nh * hd))), e((n, (nh + 2 * nkv) * hd)), e((n, nh * hd)),
-                e((n, 2 * inter)), e((n, inter)), e((self.parts, n, hidden)))
-        out = (bufs, tuple(_f(b) for b in bufs))
-        self._scratch_n, self._scratch_bufs = (n, out) if n <= 64 else (-1, ())
+
+        def e(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.float32)  # (never the default dtype: C writes floats)
+
+        bufs = (e(n, hidden) if with_x else None, e(n, max(hidden, nh * hd)), e(n, (nh + 2 * nkv) * hd),
+                e(n, nh * hd), e(n, 2 * inter), e(n, inter), e(self.parts, n, hidden))
+        out = (bufs, tuple(ffi.NULL if b is None else _f(b) for b in bufs))
+        self._scratch_key, self._scratch_bufs = ((n, with_x), out) if n <= 64 else (None, ())
         return out
 
     @_profiled
@@ -168,7 +176,7 @@ class Stack:
         if head.inp != hidden or head.parts != 1 or head.bias is not None or head.wtype != self.model.wtype:
             raise ValueError("Stack.set_head: the LM head must be packed whole, without bias, in the layers' class, "
                              f"with {hidden} inputs")
-        self._head_keep = (embed, norm, head)
+        self._head_keep = (embed, norm, head, head.w)  # (head.w: what C reads, whatever rebinds it)
         self.vocab = head.out
         self.head = ffi.new("sf_head *", dict(embed=_v(embed), embed_bf16=int(embed.dtype == torch.bfloat16),
                                               embed_rows=embed.shape[0], norm=_f(norm), w=_v(head.w), vocab=head.out))
@@ -191,8 +199,8 @@ class Stack:
         if rows is not None:
             rows = rows.to(torch.int64).contiguous()
         nrows = n if rows is None else rows.shape[0]
-        logits = torch.empty((nrows, self.vocab))
-        bufs, (xs, h, qkv, att, gu, act, parts) = self._scratch(n)
+        logits = torch.empty((nrows, self.vocab), dtype=torch.float32)
+        bufs, (xs, h, qkv, att, gu, act, parts) = self._scratch(n, with_x=x is None)
         pos, cells, feed_of, tables, ids = layout.pointers(ffi)
         if x is not None:
             xs, ids = _f(x), ffi.NULL

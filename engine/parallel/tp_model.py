@@ -146,11 +146,13 @@ class TpModel:
         from superfluid.engine.parallel.group import GroupFault
         from superfluid.kernels.comm import CommMismatch, CommTimeout
 
-        n_layers = len(self.layers)
-        ks = [heads_major(k_cache[i]) for i in range(n_layers)]
-        vs = [heads_major(v_cache[i]) for i in range(n_layers)]
+        views = getattr(self, "_views", None)
+        if views is None or views[0] is not k_cache or views[1] is not v_cache:  # made once a pool: the stack
+            n_layers = len(self.layers)                                           # checks new views in full
+            views = self._views = (k_cache, v_cache, [heads_major(k_cache[i]) for i in range(n_layers)],
+                                   [heads_major(v_cache[i]) for i in range(n_layers)])
         try:
-            self.stack.forward_tp(x, lay, ks, vs, comm, self.group.timeout_s)
+            self.stack.forward_tp(x, lay, views[2], views[3], comm, self.group.timeout_s)
         except (CommTimeout, CommMismatch) as e:
             raise GroupFault(str(e)) from e
         self.stats.collective_s += self.stack.comm_s

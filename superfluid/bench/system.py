@@ -140,14 +140,16 @@ READ_MIB = 512  # far past any CPU's last-level cache (and an H200's 50 MB L2)
 
 def read_bandwidth_gbs(threads: int | None = None, device: str = "cpu", mib: int = READ_MIB,
                        repeats: int = 5) -> dict[str, Any]:
-    """The machine's read bandwidth: torch.sum over `mib` MiB of float32 at
-    `threads` torch threads (default: the current count), the best of
-    `repeats` passes after one untimed pass. The best, not the median: noise
-    only slows a pass, and the floor is what the memory can do. The buffer
-    is written first, page by page different (untouched pages would all
-    read the one zero page, identical ones may be merged). On
-    the CPU it is measured in a child process, so the buffer never counts in
-    this process's peak RSS (which the benches report)."""
+    """The machine's read bandwidth over `mib` MiB of float32 at `threads`
+    threads (default: torch's count now), the best of `repeats` passes after
+    one untimed pass; on the CPU the faster of torch.sum and the kernels'
+    own probe (sf_read_probe), the buffer in 2 MiB pages where the kernel
+    gives them. The best, not the median: noise only slows a pass, and the
+    floor is what the memory can do. The buffer is written first, page by
+    page different (untouched pages would all read the one zero page,
+    identical ones may be merged). On the CPU it is measured in a child
+    process, so the buffer never counts in this process's peak RSS (which
+    the benches report)."""
     threads = threads or torch.get_num_threads()
     if device == "cuda":
         return _read_passes(threads, device, mib, repeats)

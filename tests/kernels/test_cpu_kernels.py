@@ -279,3 +279,52 @@ def test_the_read_probe_reads_every_word():
         assert got == want
     words[-1] ^= 1  # the tail counts too
     assert cpu.lib.sf_read_probe(cpu.ffi.cast("void *", words.data_ptr()), words.numel() * 8, 2) == want ^ 1
+
+
+def test_the_stacks_greedy_picks_are_its_rows_greedy_pick(tmp_path, threads):
+    """step_sampled's all-greedy steps take their tokens from the stack's one
+    call (sf_greedy in C after the LM head): they must be cpu.greedy of the
+    rows the same steps give (another runtime, same weights and feeds)."""
+    from superfluid.engine import Feed, SampleSpec, load
+    from superfluid.engine.tiny import write_tiny
+
+    threads(2)
+    write_tiny(tmp_path, seed=4, tokenizer=False)
+    picker, rower = load(tmp_path, "torch", kv_cells=1024), load(tmp_path, "torch", kv_cells=1024)
+    assert picker.model.takes_ids
+    sa, sb = [picker.seq_create() for _ in range(3)], [rower.seq_create() for _ in range(3)]
+    feeds = [list(range(1, 20)), [5, 6], [9]]
+    got: list[int] = []
+    for _ in range(4):
+        toks = picker.step_sampled([Feed(s, f, True) for s, f in zip(sa, feeds)], [SampleSpec()] * 3)
+        rows = rower.step([Feed(s, f, True) for s, f in zip(sb, feeds)])
+        want, bad = cpu.greedy(torch.from_numpy(np.stack(rows)))
+        assert toks == want and not any(bad)
+        got += toks
+        feeds = [[t] for t in toks]
+    assert len(set(got)) > 1  # (the picks are not one constant)
+
+
+def test_the_stack_refuses_a_bad_row_id_or_head(tmp_path):
+    from superfluid.engine import Feed, load
+    from superfluid.engine.tiny import write_tiny
+
+    write_tiny(tmp_path, seed=5, tokenizer=False)
+    rt = load(tmp_path, "torch", kv_cells=256)
+    s = rt.seq_create()
+    rt.step([Feed(s, [1, 2, 3], True)])
+    stack, pools = rt.model.stack, rt.model._pools
+    page = rt.pool.page
+    lay = cpu.step_layout([([0], 0, 1)], page, [4])
+    with pytest.raises(IndexError, match="row outside"):
+        stack.forward_head(None, lay, pools[2], pools[3], rows=torch.tensor([1]))
+    with pytest.raises(IndexError, match="outside the embedding"):
+        stack.forward_head(None, cpu.step_layout([([0], 0, 1)], page, [10**6]), pools[2], pools[3])
+    with pytest.raises(ValueError, match="neither embeddings nor"):
+        stack.forward_head(None, cpu.step_layout([([0], 0, 1)], page), pools[2], pools[3])
+    hidden = rt.model.cfg.hidden_size
+    with pytest.raises(ValueError, match="the norm must be"):
+        stack.set_head(rt.model.embed, torch.ones(hidden + 1), rt.model.lm_head)
+    with pytest.raises(ValueError, match="packed whole"):
+        stack.set_head(rt.model.embed, torch.ones(hidden), cpu.pack_parts(torch.randn(8, hidden), 2))
+    assert stack.forward_head(None, lay, pools[2], pools[3]).shape == (1, rt.model.cfg.vocab_size)  # still fine

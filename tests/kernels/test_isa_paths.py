@@ -59,7 +59,8 @@ def test_each_class_gives_the_same_bits_on_every_path(dtype, numeric, path):
 @pytest.mark.parametrize("parts", [1, 8])
 def test_a_lone_row_is_its_batch_row_on_every_path(dtype, numeric, parts):
     """A decode step's GEMV (one token: four panels' chains at a time, each
-    panel's pieces streamed in order) gives the rows the batched tiles give,
+    panel's pieces streamed in order) gives the rows the batched tiles give
+    (five tokens, more than a few: tasks split by piece),
     on every path of the class, at a model's widths (69 panels: groups of
     four and a tail; 8 pieces as o_proj and down_proj reduce)."""
     torch.manual_seed(11)
@@ -78,6 +79,8 @@ def test_a_lone_row_is_its_batch_row_on_every_path(dtype, numeric, parts):
     for level in paths:
         for t in (0, 2, 4):
             assert torch.equal(on(level, lambda: run(x[t:t + 1]))[:, 0], full[:, t]), (cpu.ISA_NAMES[level], t)
+        # a few tokens (up to 4: tasks take every piece of their panels) against the five-token call
+        assert torch.equal(on(level, lambda: run(x[1:4])), full[:, 1:4]), cpu.ISA_NAMES[level]
 
 
 def test_the_classes_differ():
