@@ -46,7 +46,7 @@ enum {
     SF_FEAT_AVX512_BF16 = 4,    /* vdpbf16ps */
     SF_FEAT_AMX_BF16 = 8,       /* AMX tiles with bf16 */
     SF_FEAT_AMX_PERMITTED = 16, /* the OS granted this process the tile state */
-    SF_FEAT_AMX_VERIFIED = 32,  /* the tile kernel passed its check in a child process (sf_gemm_wide.c) */
+    SF_FEAT_AMX_VERIFIED = 32,  /* the tile kernel passed its check in a child process (sf_gemm_dot.c) */
     SF_FEAT_BF16_DIFFERS = 64   /* vdpbf16ps failed its check against the bf16-dot class: not used */
 };
 int sf_cpu_isa(void);

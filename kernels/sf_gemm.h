@@ -1,5 +1,6 @@
 /* What the GEMM's files share (sf_gemm.c: the AVX2 and scalar paths and
- * the entry points; sf_gemm_wide.c: AVX-512 and the bf16 dot class).
+ * the entry points; sf_gemm_wide.c: AVX-512; sf_gemm_dot.c: the bf16 dot
+ * classes).
  * Private to kernels/sf_gemm*.c. */
 #ifndef SF_GEMM_H
 #define SF_GEMM_H
@@ -13,13 +14,17 @@
 #define BLOCK_K 256 /* reduction steps per cache block */
 #define PANELS_PER_TASK 4
 #define SMALL_N 4 /* tokens up to which a GEMM is a GEMV: memory-bound */
+#define TILE_W 12 /* tokens per AVX-512 tile */
+#define BLOCK_K2 (BLOCK_K / 2) /* reduction pairs per cache block */
+#define GROUP 4 /* panels whose accumulators a dot task keeps at once */
+#define T512 "avx512f,avx512dq,avx512bw,avx512vl"
 #define TASK_BYTES (48L << 10) /* weight bytes a memory-bound task streams, at least */
 
 /* How a weight is packed (sf_linear's `wtype`):
  *   F32, BF16: [ceil(out / PANEL)][K][PANEL], rows past out zero;
  *   BF16_PAIRS: [ceil(out / PANEL)][ceil(K / 2)][PANEL][2], the reduction's
  *     steps 2i and 2i+1 of an output side by side (K odd: a zero step
- *     added), for the bf16-dot class (sf_gemm_wide.c);
+ *     added), for the bf16-dot class (sf_gemm_dot.c);
  *   BF16_AMX: the same layout, for the bf16-amx class (what AMX's tdpbf16ps
  *     computes; only the amx-bf16 path runs it).
  * In parts (sf_linear_parts), each panel's parts one after another: [panel]

@@ -20,7 +20,7 @@ int sf_cpu_isa(void);
 /* Whether the AMX tile kernel runs and gives sane, row-invariant sums: tried
  * in a child process, so a fault there costs the path, not the process. */
 int sf_amx_verify(void);
-/* Whether vdpbf16ps gives the bf16-dot class's bits here (sf_gemm_wide.c). */
+/* Whether vdpbf16ps gives the bf16-dot class's bits here (sf_gemm_dot.c). */
 int sf_dp_verify(void);
 
 /* A layer's kernel call in sf_forward(_tp): the first failure ends the step

@@ -1,4 +1,5 @@
-"""The kernels' ISA paths and numeric classes (kernels/sf_gemm_wide.c).
+"""The kernels' ISA paths and numeric classes (kernels/sf_gemm_wide.c,
+sf_gemm_dot.c).
 
 float32 and the bf16-fma class give the same bits on every path (scalar,
 AVX2, AVX-512); the bf16-dot class gives the same bits natively (vdpbf16ps)
