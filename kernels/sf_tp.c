@@ -51,22 +51,12 @@ static int gather_combine(sf_tp_comm *c, const sf_model *m, int n, const float *
 int sf_forward_tp(const sf_model *m, sf_tp_comm *c, float *x, int n, const int64_t *pos, const int64_t *cells,
                   const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                   float *gu, float *act, float *parts, float *stage, float *every, int nthreads) {
-    int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd, g = m->parts;
     for (int l = 0; l < m->n_layers; l++) {
         const sf_layer *L = &m->layers[l];
         int rc;
-        SF_TRY(sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads));
-        SF_TRY(sf_linear(h, H, n, H, L->qkv, m->wtype, qkvw, L->qkv_b, qkv, qkvw, 0, nthreads));
-        SF_TRY(sf_attention(qkv, qkvw, n, m->nh, m->nkv, m->hd, pos, cells, feed_of, tables, width, m->cos, m->sin,
-                            L->q_norm, L->k_norm, m->eps, L->k_pool, L->v_pool, m->kv_bf16, m->head_stride,
-                            m->page, m->scale, att, q, nthreads));
-        SF_TRY(sf_linear_parts(att, q, n, q / g, g, L->o, m->wtype, H, parts, nthreads));
+        SF_TRY(sf_layer_attn(m, L, x, n, pos, cells, feed_of, tables, width, h, qkv, att, parts, nthreads));
         if ((rc = gather_combine(c, m, n, parts, stage, every, L->o_b, x, nthreads))) return rc;
-        SF_TRY(sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads));
-        SF_TRY(sf_linear(h, H, n, H, L->gate_up, m->wtype, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0,
-                         nthreads));
-        SF_TRY(sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads));
-        SF_TRY(sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, nthreads));
+        SF_TRY(sf_layer_mlp(m, L, x, n, h, gu, act, parts, nthreads));
         if ((rc = gather_combine(c, m, n, parts, stage, every, L->down_b, x, nthreads))) return rc;
     }
     return 0;
