@@ -19,7 +19,10 @@ def _cdef() -> str:
         return "\n".join(line for line in f.read().splitlines() if not line.lstrip().startswith("#"))
 
 
-def make_builder() -> FFI:
+def make_builder(amx_emulated: bool = False) -> FFI:
+    """amx_emulated: a test build whose AMX tiles are C (sf_amx_emu.h), so
+    the amx-bf16 path runs on a CPU with avx512_bf16 but no AMX
+    (tests/kernels/test_amx_emulated.py); never installed."""
     ffi = FFI()
     ffi.cdef(_cdef())
     rel = "kernels" if os.path.abspath(os.getcwd()) == os.path.dirname(HERE) else HERE
@@ -32,6 +35,7 @@ def make_builder() -> FFI:
         # -ffp-contract=off: no a*b+c the source did not write as fma (rounding is the contract).
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-Wall"],
         extra_link_args=["-pthread"],
+        define_macros=[("SF_AMX_EMULATE", "1")] if amx_emulated else [],
     )
     return ffi
 

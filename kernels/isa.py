@@ -22,7 +22,7 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-bf16", 4: "amx-bf16
 ISA_LEVELS = {name: level for level, name in ISA_NAMES.items()}
 # What the CPU offers (SF_FEAT_*), whether a kernel uses it or not.
 FEATURE_NAMES = {1: "avx2+fma", 2: "avx512f/dq/bw/vl", 4: "avx512-bf16", 8: "amx-bf16", 16: "amx-permitted",
-                 32: "amx-verified", 64: "avx512-bf16-differs"}
+                 32: "amx-verified", 64: "avx512-bf16-differs", 128: "amx-emulated"}
 # The bf16 numeric classes (bf16_class); float32 weights have one, "fp32".
 BF16_CLASSES = ("bf16-fma", "bf16-dot", "bf16-amx")
 WTYPES = {"fp32": 0, "bf16-fma": 1, "bf16-dot": 2, "bf16-amx": 3}  # sf_linear's wtype

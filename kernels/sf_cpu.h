@@ -47,7 +47,8 @@ enum {
     SF_FEAT_AMX_BF16 = 8,       /* AMX tiles with bf16 */
     SF_FEAT_AMX_PERMITTED = 16, /* the OS granted this process the tile state */
     SF_FEAT_AMX_VERIFIED = 32,  /* the tile kernel passed its check in a child process (sf_gemm_dot.c) */
-    SF_FEAT_BF16_DIFFERS = 64   /* vdpbf16ps failed its check against the bf16-dot class: not used */
+    SF_FEAT_BF16_DIFFERS = 64,  /* vdpbf16ps failed its check against the bf16-dot class: not used */
+    SF_FEAT_AMX_EMULATED = 128  /* a test build: AMX's tiles in C (sf_amx_emu.h), never shipped */
 };
 int sf_cpu_isa(void);
 int sf_cpu_isa_max(void);

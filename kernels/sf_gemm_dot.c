@@ -174,6 +174,16 @@ int sf_dp_verify(void) {
 /* ------------------------------------------------ the bf16-amx class (AMX) */
 
 #if SF_X86
+#ifdef SF_AMX_EMULATE
+#include "sf_amx_emu.h" /* a test build: the tile instructions in C */
+#else
+#define AMX_LOADCONFIG(c) _tile_loadconfig(c)
+#define AMX_RELEASE() _tile_release()
+#define AMX_LOADD(t, p, s) _tile_loadd(t, p, s)
+#define AMX_STORED(t, p, s) _tile_stored(t, p, s)
+#define AMX_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
+
 /* Tiles: 0-1 accumulators (tokens x 16 outputs, float32), 4 x as pairs
  * (tokens x up to 16 pairs), 6-7 weights (pairs x 16 outputs' pairs). */
 typedef struct {
@@ -190,7 +200,7 @@ static _Thread_local int t_cfg_m = -1, t_cfg_k = -1;
 static void amx_begin(void) { t_cfg_m = t_cfg_k = -1; }
 
 __attribute__((target("amx-tile"))) static void amx_end(void) {
-    _tile_release();
+    AMX_RELEASE();
     t_cfg_m = t_cfg_k = -1;
 }
 
@@ -202,7 +212,7 @@ __attribute__((target("amx-tile"))) static void amx_shape(int m, int k2) {
     for (int i = 0; i < 2; i++) c.rows[i] = (uint8_t)m, c.colsb[i] = 4 * PANEL;
     c.rows[4] = (uint8_t)m, c.colsb[4] = (uint16_t)(4 * k2);
     for (int i = 6; i < 8; i++) c.rows[i] = (uint8_t)k2, c.colsb[i] = 4 * PANEL;
-    _tile_loadconfig(&c); /* (zeroes every tile) */
+    AMX_LOADCONFIG(&c); /* (zeroes every tile) */
     t_cfg_m = m, t_cfg_k = k2;
 }
 
@@ -215,19 +225,19 @@ __attribute__((target("amx-tile,amx-bf16"))) static void tile_amx(const uint16_t
         int kn = kn2 - k0 < 16 ? kn2 - k0 : 16;
         if (t_cfg_m != tn || t_cfg_k != kn || k0 == 0) {
             amx_shape(tn, kn);
-            _tile_loadd(0, acc, 4L * lda);
-            if (np > 1) _tile_loadd(1, acc + PANEL, 4L * lda);
+            AMX_LOADD(0, acc, 4L * lda);
+            if (np > 1) AMX_LOADD(1, acc + PANEL, 4L * lda);
         }
-        _tile_loadd(4, xb + k0, 4L * ldxb);
-        _tile_loadd(6, w0 + (long)k0 * 2 * PANEL, 4 * PANEL);
-        _tile_dpbf16ps(0, 4, 6);
+        AMX_LOADD(4, xb + k0, 4L * ldxb);
+        AMX_LOADD(6, w0 + (long)k0 * 2 * PANEL, 4 * PANEL);
+        AMX_DPBF16PS(0, 4, 6);
         if (np > 1) {
-            _tile_loadd(7, w1 + (long)k0 * 2 * PANEL, 4 * PANEL);
-            _tile_dpbf16ps(1, 4, 7);
+            AMX_LOADD(7, w1 + (long)k0 * 2 * PANEL, 4 * PANEL);
+            AMX_DPBF16PS(1, 4, 7);
         }
         if (k0 + 16 >= kn2 || kn2 - (k0 + 16) < 16) { /* the last, or a tail of another shape next */
-            _tile_stored(0, acc, 4L * lda);
-            if (np > 1) _tile_stored(1, acc + PANEL, 4L * lda);
+            AMX_STORED(0, acc, 4L * lda);
+            if (np > 1) AMX_STORED(1, acc + PANEL, 4L * lda);
         }
     }
 }

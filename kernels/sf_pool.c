@@ -41,6 +41,14 @@ static void detect(void) {
         g_features |= SF_FEAT_AVX512_BF16;
         if (!sf_dp_verify()) g_features = (g_features & ~(unsigned)SF_FEAT_AVX512_BF16) | SF_FEAT_BF16_DIFFERS;
     }
+#ifdef SF_AMX_EMULATE
+    /* a test build (sf_amx_emu.h): tiles in C, on top of the avx512-bf16 path */
+    (void)tiles;
+    if (g_features & SF_FEAT_AVX512_BF16) {
+        g_features |= SF_FEAT_AMX_BF16 | SF_FEAT_AMX_PERMITTED | SF_FEAT_AMX_EMULATED;
+        if (sf_amx_verify()) g_features |= SF_FEAT_AMX_VERIFIED;
+    }
+#else
     if (tiles && ((d7 >> 22) & 1) && ((d7 >> 24) & 1)) {
         g_features |= SF_FEAT_AMX_BF16;
         /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it a tile load faults */
@@ -48,6 +56,7 @@ static void detect(void) {
         if ((g_features & SF_FEAT_AMX_PERMITTED) && (g_features & SF_FEAT_AVX512_BF16) && sf_amx_verify())
             g_features |= SF_FEAT_AMX_VERIFIED;
     }
+#endif
 }
 #endif
 

@@ -67,7 +67,8 @@ def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dty
                 xx[at] = x[0]
                 assert torch.equal(cpu.linear(xx, p)[at], ref), (t, n, at)
     full = cpu.linear(x, p)
-    assert torch.equal(scalar(lambda: cpu.linear(x, p)), full)
+    if p.numeric_class != "bf16-amx":  # (that class runs on its path only)
+        assert torch.equal(scalar(lambda: cpu.linear(x, p)), full)
     assert not torch.equal(full[0], full[1])  # rows differ: the equalities above are not vacuous
 
 
