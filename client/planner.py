@@ -13,7 +13,7 @@ only the records of abi/superfluid.h and the client's queue calls. A tick:
               send again;
   4. absorb — fold the events back in: admitted lanes, how far each prefill
               really got (shed chunks), emitted tokens and finishes, host rows
-              to sample, faulted lanes to re-admit.
+              to sample, faulted lanes to re-admit (or end: see _absorb_faults).
 
 Recovery (contract §9): when the worker dies, every wait raises WorkerRestarted.
 The planner reconnects and re-admits each unfinished request with its prompt
@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from superfluid.abi import CacheClass, Finish, ParamFlag, Sampling, ShedKind, Status
+from superfluid.abi import CacheClass, Fault, Finish, ParamFlag, Sampling, ShedKind, Status, lib
 from superfluid.abi.records import LaneEmit, SamplingParams, TickEvents
 from superfluid.client.builder import PlanBuilder
 from superfluid.client.client import Client
@@ -52,6 +52,7 @@ GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Samplin
 _U64 = (1 << 64) - 1
 _U16 = (1 << 16) - 1
 _EVICT_ALL = 1 << 62  # max_evict_bytes when the planner lets the cache go
+_INJECTED = int(lib.SF_FAULT_DETAIL_INJECTED)  # LaneFault.detail's mark of an injected fault
 
 
 class PlannerError(Exception):
@@ -102,6 +103,9 @@ class Planner:
     max_admits_per_tick: new lanes per tick (None: as the limits allow).
     use_leases: lease the longest cached prefix for each admission whose
         prompt may share pages with what this planner had published.
+    max_fault_readmits: faults (not injected ones) after which a request ends
+        "fault" instead of being re-admitted again; a NUMERIC fault ends it
+        at once (the same row would come back).
     strategy: a speculation strategy (client.strategies.Strategy) installed on
         the worker and named by every request's admission unless it opts out;
         a drafting lane may emit more than decode_grant tokens a tick
@@ -111,9 +115,13 @@ class Planner:
     def __init__(self, client: Client, *, prefill_token_budget: int = 512, prefill_chunk: int | None = None,
                  decode_grant: int = 4, max_lanes: int | None = None, max_admits_per_tick: int | None = None,
                  tick_timeout: float = 30.0, reconnect_timeout: float = 60.0, use_leases: bool = True,
-                 strategy: Strategy | None = None, clock: Callable[[], float] = time.monotonic):
+                 strategy: Strategy | None = None, max_fault_readmits: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
         if prefill_token_budget < 1 or decode_grant < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise ValueError("prefill_token_budget, prefill_chunk and decode_grant are at least 1")
+        if max_fault_readmits < 0:
+            raise ValueError(f"max_fault_readmits is at least 0, not {max_fault_readmits}")
+        self.max_fault_readmits = max_fault_readmits
         self.client = client
         self.prefill_token_budget = prefill_token_budget
         self.prefill_chunk = prefill_chunk
@@ -413,7 +421,7 @@ class Planner:
         for tag in d.commits:
             self.lanes[tag].commit = None
         self._absorb_shed(ev)
-        self._absorb_faults(ev)
+        self._absorb_faults(ev, now)
         for emit in ev.emits:
             self._absorb_emit(emit, now)
 
@@ -431,16 +439,28 @@ class Planner:
                 self.stats.evictions += 1
                 self.stats.bytes_evicted += e.bytes
 
-    def _absorb_faults(self, ev: TickEvents) -> None:
+    def _absorb_faults(self, ev: TickEvents, now: float) -> None:
         """A faulted lane's sequence is gone: retire its tag and re-admit the
-        request from where it was, as after a restart."""
+        request from where it was, as after a restart. Not a fault that
+        would come back: a non-finite row (NUMERIC) is the same bits on a
+        re-admission, so that request ends "fault" with what it has, as one
+        does after max_fault_readmits other faults. Injected faults (their
+        detail's mark) never end a request: the harness bounds them."""
         again = []
         for f in ev.faults:
             self.stats.faults += 1
             self.retire_next.add(f.lane_tag)
             lane = self.lanes.pop(f.lane_tag, None)
-            if lane is not None and not lane.request.done:
-                again.append(lane.request)
+            if lane is None or lane.request.done:
+                continue
+            req = lane.request
+            if not f.detail & _INJECTED:
+                req.faults += 1
+                if f.code == Fault.NUMERIC or req.faults > self.max_fault_readmits:
+                    req.finish, req.finished_at = "fault", now
+                    self.grammars.release(req.id, self.tick_timeout)
+                    continue
+            again.append(req)
         self.waiting.extendleft(reversed(again))
 
     def _absorb_emit(self, emit: LaneEmit, now: float) -> None:

@@ -36,9 +36,11 @@ class Request:
     submitted_at: float
     generated: list[int] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)
-    finish: str | None = None  # "eos", "grammar", "length" (max_seq_len), "max_tokens", "unservable" (memory)
+    # "eos", "grammar", "length" (max_seq_len), "max_tokens", "unservable" (memory), "fault" (Planner._absorb_faults)
+    finish: str | None = None
     finished_at: float | None = None
     admissions: int = 0  # > 1: re-admitted after a restart, a fault or a preemption
+    faults: int = 0  # its lanes' faults, not counting injected ones
     grammar: GrammarSpec | None = None  # its output is constrained to this
     speculate: bool = False  # admitted with the planner's strategy (drafting never changes its tokens)
     seed: Seed | None = None  # a lease for its next admission

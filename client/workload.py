@@ -27,7 +27,7 @@ N: once the requests hold N tokens, SIGKILL the worker (a fault-injection
 run: the daemon restarts it and the planner recovers).
 
 Results: {"results": [{"id": 1, "tokens": [...], "finish": "eos" |
-"grammar" | "length" | "max_tokens" | "unservable", "admissions": 1}, ...] (in request
+"grammar" | "length" | "max_tokens" | "unservable" | "fault", "admissions": 1}, ...] (in request
 order), "stats": {"ticks", "restarts", "seeded_tokens", "leases", "tokens",
 "killed", "draft_proposed", "draft_accepted"}}. A strategy is prompt lookup
 (client.strategies.Strategy): drafting never changes a token, so results

@@ -55,9 +55,10 @@ type Request struct {
 	SubmittedAt time.Time
 	Generated   []uint32
 	TokenTimes  []time.Time
-	Finish      string // "" (running), "eos", "grammar", "length", "max_tokens", "unservable"
+	Finish      string // "" (running), "eos", "grammar", "length", "max_tokens", "unservable", "fault"
 	FinishedAt  time.Time
 	Admissions  int  // > 1: re-admitted after a restart, a fault or a preemption
+	Faults      int  // its lanes' faults, not counting injected ones
 	Speculate   bool // admitted with the planner's strategy (drafting never changes its tokens)
 
 	seed   *Seed // a lease for its next admission
@@ -112,6 +113,10 @@ type PlannerOptions struct {
 	TickTimeout        time.Duration
 	ReconnectTimeout   time.Duration
 	NoLeases           bool // don't lease cached prefixes for admissions
+	// MaxFaultReadmits: faults (not injected ones) after which a request ends
+	// "fault" instead of being re-admitted again (0: 8; negative: none); a
+	// NUMERIC fault ends it at once (the same row would come back).
+	MaxFaultReadmits int
 	// Strategy: a speculation strategy installed on the worker and named by
 	// every request's admission unless it opts out (NoSpeculate); nil: none.
 	Strategy *Strategy
@@ -177,6 +182,10 @@ func NewPlanner(c *Conn, o PlannerOptions) (*Planner, error) {
 	}
 	def(&o.PrefillTokenBudget, 512)
 	def(&o.DecodeGrant, 4)
+	def(&o.MaxFaultReadmits, 8)
+	if o.MaxFaultReadmits < 0 {
+		o.MaxFaultReadmits = 0
+	}
 	if o.DecodeGrant > u16Max {
 		o.DecodeGrant = u16Max
 	}

@@ -49,7 +49,9 @@ func (p *Planner) absorb(d *draft, ev *Events) error {
 		p.lanes.get(t).commit = nil
 	}
 	p.absorbShed(ev)
-	p.absorbFaults(ev)
+	if err := p.absorbFaults(ev, now); err != nil {
+		return err
+	}
 	for i := range ev.Emits {
 		if err := p.absorbEmit(&ev.Emits[i], now); err != nil {
 			return err
@@ -76,17 +78,34 @@ func (p *Planner) absorbShed(ev *Events) {
 }
 
 // absorbFaults: a faulted lane's sequence is gone: retire its tag and
-// re-admit the request from where it was, as after a restart.
-func (p *Planner) absorbFaults(ev *Events) {
+// re-admit the request from where it was, as after a restart. Not a fault
+// that would come back: a non-finite row (NUMERIC) is the same bits on a
+// re-admission, so that request ends "fault" with what it has, as one does
+// after MaxFaultReadmits other faults. Injected faults never end a request.
+func (p *Planner) absorbFaults(ev *Events, now time.Time) error {
 	var again []*Request
 	for _, f := range ev.Faults {
 		p.Stats.Faults++
 		p.retireNext[f.LaneTag] = true
-		if l := p.lanes.pop(f.LaneTag); l != nil && !l.req.Done() {
-			again = append(again, l.req)
+		l := p.lanes.pop(f.LaneTag)
+		if l == nil || l.req.Done() {
+			continue
 		}
+		r := l.req
+		if !f.Injected() {
+			r.Faults++
+			if f.Code == SF_FAULT_NUMERIC || r.Faults > p.Opts.MaxFaultReadmits {
+				r.Finish, r.FinishedAt = "fault", now
+				if err := p.Grammars.Release(r.ID, p.Opts.TickTimeout); err != nil {
+					return err
+				}
+				continue
+			}
+		}
+		again = append(again, r)
 	}
 	p.waiting = append(again, p.waiting...)
+	return nil
 }
 
 func (p *Planner) absorbEmit(e *LaneEmit, now time.Time) error {

@@ -53,7 +53,7 @@ impl Planner {
         }
         let offers = d.prefills.iter().copied().collect();
         self.absorb_shed(ev, &offers)?;
-        self.absorb_faults(ev);
+        self.absorb_faults(ev)?;
         for emit in &ev.emits {
             self.absorb_emit(emit)?;
         }
@@ -85,21 +85,37 @@ impl Planner {
 
     /// A faulted lane's sequence is gone: retire its tag and re-admit the
     /// request from where it was, as after a restart.
-    fn absorb_faults(&mut self, ev: &Events) {
+    /// A faulted lane's sequence is gone: retire its tag and re-admit the
+    /// request from where it was, as after a restart. Not a fault that would
+    /// come back: a non-finite row (NUMERIC) is the same bits on a
+    /// re-admission, so that request ends Finish::Fault with what it has, as
+    /// one does after max_fault_readmits other faults. Injected faults never
+    /// end a request.
+    fn absorb_faults(&mut self, ev: &Events) -> Result<(), Error> {
         let mut again = Vec::new();
         for f in &ev.faults {
             self.stats.faults += 1;
             self.retire_next.insert(f.lane_tag);
-            if let Some(k) = self.lanes.iter().position(|l| l.tag == f.lane_tag) {
-                let lane = self.lanes.remove(k);
-                if self.requests[lane.req].finish.is_none() {
-                    again.push(lane.req);
+            let Some(k) = self.lanes.iter().position(|l| l.tag == f.lane_tag) else { continue };
+            let id = self.lanes.remove(k).req;
+            let req = &mut self.requests[id];
+            if req.finish.is_some() {
+                continue;
+            }
+            if !f.injected() {
+                req.faults += 1;
+                if f.code == SF_FAULT_NUMERIC || req.faults > self.opts.max_fault_readmits {
+                    req.finish = Some(Finish::Fault);
+                    self.grammars.release(&mut self.conn, id, self.opts.tick_timeout)?;
+                    continue;
                 }
             }
+            again.push(id);
         }
         for r in again.into_iter().rev() {
             self.waiting.push_front(r);
         }
+        Ok(())
     }
 
     fn absorb_emit(&mut self, emit: &LaneEmit) -> Result<(), Error> {

@@ -39,6 +39,9 @@ pub enum Finish {
     MaxTokens,
     /// The worker's memory cannot hold it even alone.
     Unservable,
+    /// Its lane faulted NUMERIC (the same row would come back), or faulted
+    /// more than Options::max_fault_readmits times.
+    Fault,
 }
 
 impl Finish {
@@ -49,6 +52,7 @@ impl Finish {
             Finish::Length => "length",
             Finish::MaxTokens => "max_tokens",
             Finish::Unservable => "unservable",
+            Finish::Fault => "fault",
         }
     }
 }
@@ -96,6 +100,7 @@ pub struct Request {
     pub generated: Vec<u32>,
     pub finish: Option<Finish>,
     pub admissions: u32, // > 1: re-admitted after a restart, a fault or a preemption
+    pub faults: u32,     // its lanes' faults, not counting injected ones
     /// Admitted with the planner's strategy: spec.speculate and the planner has one.
     pub speculate: bool,
     pub(crate) seed: Option<Seed>,
@@ -143,6 +148,9 @@ pub struct Options {
     pub tick_timeout: Duration,
     pub reconnect_timeout: Duration,
     pub use_leases: bool,
+    /// Faults (not injected ones) after which a request ends Finish::Fault
+    /// instead of being re-admitted again; a NUMERIC fault ends it at once.
+    pub max_fault_readmits: u32,
     /// A speculation strategy installed on the worker and named by every
     /// request's admission unless it opts out (RequestSpec::speculate).
     pub strategy: Option<Strategy>,
@@ -152,7 +160,8 @@ impl Default for Options {
     fn default() -> Self {
         Options { prefill_token_budget: 512, prefill_chunk: None, decode_grant: 4, max_lanes: None,
                   max_admits_per_tick: None, tick_timeout: Duration::from_secs(30),
-                  reconnect_timeout: Duration::from_secs(60), use_leases: true, strategy: None }
+                  reconnect_timeout: Duration::from_secs(60), use_leases: true, max_fault_readmits: 8,
+                  strategy: None }
     }
 }
 
@@ -234,7 +243,7 @@ impl Planner {
             self.grammars.handle(&mut self.conn, id - 1, g, self.opts.tick_timeout)?;
         }
         let speculate = spec.speculate && self.strategies.strategy.is_some();
-        self.requests.push(Request { id, spec, generated: Vec::new(), finish: None, admissions: 0, speculate,
+        self.requests.push(Request { id, spec, generated: Vec::new(), finish: None, admissions: 0, faults: 0, speculate,
                                      seed: None, no_seed: false });
         self.waiting.push_back(id - 1);
         Ok(id)
