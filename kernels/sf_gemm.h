@@ -19,6 +19,7 @@
 #define GROUP 4 /* panels whose accumulators a dot task keeps at once */
 #define T512 "avx512f,avx512dq,avx512bw,avx512vl"
 #define TASK_BYTES (48L << 10) /* weight bytes a memory-bound task streams, at least */
+#define STREAM_FLOATS (2L << 20) /* outputs from which a GEMM's plain stores bypass the caches (8 MiB) */
 
 /* How a weight is packed (sf_linear's `wtype`):
  *   F32, BF16: [ceil(out / PANEL)][K][PANEL], rows past out zero;
@@ -43,6 +44,7 @@ typedef struct {
     long ldy;
     int resid;
     long ps; /* weight elements from one panel to the next */
+    int stream; /* an output too big to stay cached: written with non-temporal stores */
 } gemm_args;
 
 typedef struct {
@@ -103,9 +105,19 @@ static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t
             for (int i = 0; i < m; i++) y[i] = c[i] + b[i];
         else if (a->resid)
             for (int i = 0; i < m; i++) y[i] = y[i] + c[i];
-        else
-            memcpy(y, c, sizeof(float) * m);
+        else if (a->stream && m == PANEL && ((uintptr_t)y & 15) == 0) {
+#if SF_X86
+            /* no read for ownership of lines the caches would not keep (a prefill's outputs: ~9%) */
+            for (int i = 0; i < PANEL; i += 4) _mm_stream_ps(y + i, _mm_loadu_ps(c + i));
+#else
+            for (int i = 0; i < PANEL; i++) y[i] = c[i];
+#endif
+        } else
+            for (int i = 0; i < m; i++) y[i] = c[i];
     }
+#if SF_X86
+    if (a->stream) _mm_sfence(); /* this thread's streamed rows, visible before its task ends */
+#endif
 }
 
 void linear_task_avx512(const void *ctx, long task);

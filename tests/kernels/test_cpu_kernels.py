@@ -72,6 +72,37 @@ def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dty
     assert not torch.equal(full[0], full[1])  # rows differ: the equalities above are not vacuous
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_output_past_the_caches_is_written_around_them_with_the_same_bits(dtype):
+    """From 2M floats (STREAM_FLOATS) a GEMM's plain stores bypass the
+    caches: the rows equal those of calls too small to stream, on every
+    path, in one piece and in parts; the bias and residual forms, which never
+    stream, are the control that the big calls ran whole."""
+    torch.manual_seed(3)
+    n, inp, out = 1090, 64, 2000  # 2.18M outputs; a tail panel (2000 = 125 x 16) and a tail token block
+    w, b = torch.randn(out, inp).to(dtype), torch.randn(out)
+    x = torch.randn(n, inp)
+    p, pp = cpu.pack(w), cpu.pack_parts(w, 4)
+    parts = cpu.linear_parts(x, pp)
+    levels = range(cpu.ISA_LEVELS.get(cpu.best_isa(), 0) + 1)
+    for level in levels if p.numeric_class != "bf16-amx" else [None]:
+        cpu.force_isa(level)
+        try:
+            big = cpu.linear(x, p)
+            small = torch.cat([cpu.linear(x[i:i + 100], p) for i in range(0, n, 100)])
+            assert torch.equal(big, small), cpu.isa()
+            assert torch.equal(cpu.linear_parts(x, pp), parts), cpu.isa()
+        finally:
+            cpu.force_isa(None)
+    assert torch.equal(parts, torch.stack([torch.cat([cpu.linear_parts(x[i:i + 100], pp)[q]
+                                                      for i in range(0, n, 100)]) for q in range(4)]))
+    assert torch.equal(cpu.linear(x, cpu.pack(w, b)), big + b)  # (acc + bias: the same adds)
+    y = torch.randn(n, out)
+    want = y + big
+    cpu.linear(x, p, out=y, residual=True)
+    assert torch.equal(y, want)
+
+
 def test_rmsnorm_and_silu_mul_match_torch_and_the_scalar_path():
     torch.manual_seed(2)
     x, w = torch.randn(33, 520) * 3, torch.rand(520)
