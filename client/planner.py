@@ -37,12 +37,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from superfluid.abi import CacheClass, Fault, Finish, ParamFlag, Sampling, ShedKind, Status, lib
-from superfluid.abi.records import LaneEmit, SamplingParams, TickEvents
+from superfluid.abi import CacheClass, ParamFlag, Sampling, Status
+from superfluid.abi.records import SamplingParams, TickEvents
 from superfluid.client.builder import PlanBuilder
 from superfluid.client.client import Client
 from superfluid.client.grammars import GrammarBook, GrammarSpec, fields as grammar_fields
-from superfluid.client.planner_state import HostSampler, Lane, PlannerStats, Report, Request, RequestResult
+from superfluid.client.planner_absorb import Absorbing
+from superfluid.client.planner_state import Draft, HostSampler, Lane, PlannerStats, Report, Request, RequestResult
 from superfluid.client.seeding import SPI, SeedBook
 from superfluid.client.session import ClientTimeout, WorkerRestarted
 from superfluid.client.strategies import Strategy, StrategyBook
@@ -52,7 +53,6 @@ GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Samplin
 _U64 = (1 << 64) - 1
 _U16 = (1 << 16) - 1
 _EVICT_ALL = 1 << 62  # max_evict_bytes when the planner lets the cache go
-_INJECTED = int(lib.SF_FAULT_DETAIL_INJECTED)  # LaneFault.detail's mark of an injected fault
 
 
 class PlannerError(Exception):
@@ -62,22 +62,6 @@ class PlannerError(Exception):
         super().__init__(f"plan {events.plan_seq} rejected: {Status(events.status).name}: "
                          f"{events.message.decode(errors='replace')}")
         self.events = events
-
-
-@dataclasses.dataclass
-class _Draft:
-    """A plan and what it means to the planner; applied only once accepted
-    (a refused plan changed nothing, on either side)."""
-
-    builder: PlanBuilder
-    admits: list[Lane] = dataclasses.field(default_factory=list)
-    prefills: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens offered
-    reached: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> prefilled after, by the budget
-    decodes: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens granted
-    commits: list[int] = dataclasses.field(default_factory=list)
-    retires: list[int] = dataclasses.field(default_factory=list)
-    published: list[list[int]] = dataclasses.field(default_factory=list)  # tokens of publishing retires
-    seeded: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens its lease covers
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -91,7 +75,7 @@ def _percentile(xs: list[float], q: float) -> float | None:
 # ---------------------------------------------------------------- planner
 
 
-class Planner:
+class Planner(Absorbing):
     """Continuous batching over one worker (see the module docstring).
 
     prefill_token_budget: prompt tokens per tick, over all lanes.
@@ -212,7 +196,7 @@ class Planner:
             return
         self._absorb(draft, events)
 
-    def _send(self, timeout: float | None) -> tuple[_Draft, TickEvents]:
+    def _send(self, timeout: float | None) -> tuple[Draft, TickEvents]:
         """Plan, send, and shrink the plan while the worker answers NeedsReplan."""
         caps = [c for c in (self.max_admits_per_tick, self._admit_cap) if c is not None]
         max_admits = min(caps) if caps else None
@@ -250,12 +234,12 @@ class Planner:
 
     # ------------------------------------------------------------------ plan
 
-    def _plan(self, max_admits: int | None, evict: bool, publish: bool = True) -> _Draft:
+    def _plan(self, max_admits: int | None, evict: bool, publish: bool = True) -> Draft:
         b = PlanBuilder(0, prefill_token_budget=self.prefill_token_budget)  # the client stamps plan_seq
         if evict:
             b.evictable_cache_classes = int(CacheClass.RESIDENT_PREFIX_CLASS)
             b.max_evict_bytes = _EVICT_ALL
-        d = _Draft(b)
+        d = Draft(b)
         self._plan_retires(d, publish)
         self._plan_commits(d)
         # Lanes already in flight prefill first: they hold memory already.
@@ -266,7 +250,7 @@ class Planner:
         self._plan_decodes(d)
         return d
 
-    def _plan_retires(self, d: _Draft, publish: bool) -> None:
+    def _plan_retires(self, d: Draft, publish: bool) -> None:
         for lane in self.lanes.values():
             if lane.retiring:
                 keep = publish and lane.request.publish
@@ -278,14 +262,14 @@ class Planner:
             d.builder.retire(tag, publish_to_cache=False)
             d.retires.append(tag)
 
-    def _plan_commits(self, d: _Draft) -> None:
+    def _plan_commits(self, d: Draft) -> None:
         """HOST lanes: the token the host sampler picked from last tick's row."""
         for lane in self.lanes.values():
             if lane.commit is not None and not lane.retiring:
                 d.builder.commit(*lane.commit)
                 d.commits.append(lane.tag)
 
-    def _plan_prefill(self, d: _Draft, lane: Lane, budget: int) -> int:
+    def _plan_prefill(self, d: Draft, lane: Lane, budget: int) -> int:
         """The lane's next prompt chunk; returns the budget left."""
         left = lane.prefill_end - lane.prefilled
         if left == 0 or lane.retiring:
@@ -299,7 +283,7 @@ class Planner:
         d.reached[lane.tag] = lane.prefilled + take
         return budget - take
 
-    def _plan_admits(self, d: _Draft, max_admits: int | None, budget: int) -> None:
+    def _plan_admits(self, d: Draft, max_admits: int | None, budget: int) -> None:
         """Waiting requests, oldest (or interrupted) first, while a lane slot
         and prefill budget are free."""
         for req in self.waiting:
@@ -310,7 +294,7 @@ class Planner:
             lane = self._admit(d, req)
             budget = self._plan_prefill(d, lane, budget)
 
-    def _admit(self, d: _Draft, req: Request) -> Lane:
+    def _admit(self, d: Draft, req: Request) -> Lane:
         """Admit `req` from where it is: prompt + generated so far, the
         generated tail replayed by decode, draws resuming past the tokens
         already sampled (contract §9). A fresh request has nothing to replay.
@@ -339,7 +323,7 @@ class Planner:
         d.admits.append(lane)
         return lane
 
-    def _plan_decodes(self, d: _Draft) -> None:
+    def _plan_decodes(self, d: Draft) -> None:
         """Lanes whose prefill is complete by the end of this tick decode:
         GPU lanes up to `decode_grant` new tokens, never past max_new_tokens,
         plus what they have to replay (replayed tokens count against the
@@ -388,117 +372,6 @@ class Planner:
         return True
 
     # ---------------------------------------------------------------- absorb
-
-    def _absorb(self, d: _Draft, ev: TickEvents) -> None:
-        """Fold an accepted plan and its events into the planner's state."""
-        now = self.clock()
-        self.stats.ticks += 1
-        self.stats.tick_s += ev.timings.wall_ns * 1e-9
-        for lane in d.admits:
-            assert self.waiting[0] is lane.request  # admits came off the front, in order
-            self.waiting.popleft()
-            req = lane.request
-            req.admissions += 1
-            req.seed, req.no_seed = None, False  # a lease is spent by the admit that names it
-            self.stats.seeded_tokens += d.seeded.get(lane.tag, 0)
-            self.seeds.admitted(req.prompt + req.generated)
-            self.lanes[lane.tag] = lane
-        for tokens in d.published:
-            self.seeds.published(tokens)
-        self.stats.leases = self.seeds.leases
-        for tag in d.retires:
-            lane = self.lanes.pop(tag, None)
-            self.retire_next.discard(tag)
-            if lane is not None and lane.request.done and lane.request.grammar:
-                self.grammars.release(lane.request.id, self.tick_timeout)
-        if d.retires:
-            self._admit_cap = None  # memory came back: admit as the limits allow again
-        for tag, offer in d.prefills.items():
-            self.lanes[tag].prefilled += offer  # less what was shed, below
-        for tag, grant in d.decodes.items():
-            lane = self.lanes[tag]
-            lane.replay_left -= min(grant, lane.replay_left)  # replay rounds come first
-        for tag in d.commits:
-            self.lanes[tag].commit = None
-        self._absorb_shed(ev)
-        self._absorb_faults(ev, now)
-        for emit in ev.emits:
-            self._absorb_emit(emit, now)
-
-    def _absorb_shed(self, ev: TickEvents) -> None:
-        """A shed PREFILL_CHUNK says where the executor really stopped; the
-        next chunk starts there."""
-        for e in ev.shed.entries:
-            if e.kind == ShedKind.PREFILL_CHUNK:
-                lane = self.lanes.get(e.lane_tag)
-                if lane is not None:
-                    lane.prefilled -= e.tokens
-                self.stats.prefill_chunks_shed += 1
-                self.stats.prefill_tokens_shed += e.tokens
-            elif e.kind == ShedKind.CACHE_EVICTION:
-                self.stats.evictions += 1
-                self.stats.bytes_evicted += e.bytes
-
-    def _absorb_faults(self, ev: TickEvents, now: float) -> None:
-        """A faulted lane's sequence is gone: retire its tag and re-admit the
-        request from where it was, as after a restart. Not a fault that
-        would come back: a non-finite row (NUMERIC) is the same bits on a
-        re-admission, so that request ends "fault" with what it has, as one
-        does after max_fault_readmits other faults. Injected faults (their
-        detail's mark) never end a request: the harness bounds them."""
-        again = []
-        for f in ev.faults:
-            self.stats.faults += 1
-            self.retire_next.add(f.lane_tag)
-            lane = self.lanes.pop(f.lane_tag, None)
-            if lane is None or lane.request.done:
-                continue
-            req = lane.request
-            if not f.detail & _INJECTED:
-                req.faults += 1
-                if f.code == Fault.NUMERIC or req.faults > self.max_fault_readmits:
-                    req.finish, req.finished_at = "fault", now
-                    self.grammars.release(req.id, self.tick_timeout)
-                    continue
-            again.append(req)
-        self.waiting.extendleft(reversed(again))
-
-    def _absorb_emit(self, emit: LaneEmit, now: float) -> None:
-        lane = self.lanes.get(emit.lane_tag)
-        if lane is None:
-            return
-        req = lane.request
-        self.stats.draft_proposed += emit.spec.proposed
-        self.stats.draft_accepted += emit.spec.accepted
-        tokens = self._host_sample(lane, emit) if req.sampling == HOST else self.client.tokens(emit)
-        req.generated.extend(tokens)
-        req.token_times.extend([now] * len(tokens))
-        reason = self._finish_reason(req, emit, tokens)
-        if reason is not None:
-            req.finish, req.finished_at = reason, now
-            lane.retiring = True
-        elif req.sampling == HOST and tokens:
-            lane.commit = self.client.commit(emit, tokens[0])
-
-    def _host_sample(self, lane: Lane, emit: LaneEmit) -> list[int]:
-        """A HOST lane's row (none while it replays): the planner draws the
-        token at position rng_base + tokens sampled so far."""
-        if not emit.logits_nonce:
-            return []
-        req = lane.request
-        row = self.client.logits_row(emit)
-        return [int(req.host_sampler(row, (req.rng_base + len(req.generated)) & _U64))]
-
-    def _finish_reason(self, req: Request, emit: LaneEmit, tokens: list[int]) -> str | None:
-        if emit.finish == Finish.EOS or (req.stop_at_eos and tokens and tokens[-1] in self.eos):
-            return "eos"
-        if emit.finish == Finish.GRAMMAR:
-            return "grammar"  # the grammar is complete
-        if emit.finish == Finish.LENGTH:
-            return "length"
-        if len(req.generated) >= req.max_new_tokens:
-            return "max_tokens"
-        return None
 
     # -------------------------------------------------------------- recovery
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from superfluid.abi import Sampling
 from superfluid.abi.records import LaneCommit, SamplingParams
+from superfluid.client.builder import PlanBuilder
 from superfluid.client.grammars import GrammarSpec
 from superfluid.client.seeding import Seed
 
@@ -102,3 +103,19 @@ class PlannerStats:
 class Report:
     results: dict[int, RequestResult]
     stats: PlannerStats
+
+
+@dataclasses.dataclass
+class Draft:
+    """A plan and what it means to the planner; applied only once accepted
+    (a refused plan changed nothing, on either side)."""
+
+    builder: PlanBuilder
+    admits: list[Lane] = dataclasses.field(default_factory=list)
+    prefills: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens offered
+    reached: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> prefilled after, by the budget
+    decodes: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens granted
+    commits: list[int] = dataclasses.field(default_factory=list)
+    retires: list[int] = dataclasses.field(default_factory=list)
+    published: list[list[int]] = dataclasses.field(default_factory=list)  # tokens of publishing retires
+    seeded: dict[int, int] = dataclasses.field(default_factory=dict)  # tag -> tokens its lease covers

@@ -16,27 +16,17 @@ from superfluid.abi import Fault, OpStatus
 from superfluid.client import GPU_GREEDY, HOST, Planner
 from superfluid.client.local import LocalClient
 from superfluid.engine import load
-from superfluid.engine.tiny import write_tiny
 from superfluid.executor.executor import Executor
 from superfluid.executor.tick_rings import LocalRings
+from superfluid.testing.checkpoints import poisoned_tiny
 from superfluid.testing.executor import fake, make_executor, small_rings
-
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 POISON = 7  # the token whose embedding row is made +inf
 
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory):
-    d = tmp_path_factory.mktemp("poisoned")
-    write_tiny(d, arch="llama", seed=3, tokenizer=False)
-    for f in sorted(d.glob("*.safetensors")):
-        tensors = safetensors_torch.load_file(f)
-        for name, t in tensors.items():
-            if name.endswith("embed_tokens.weight"):
-                t[POISON] = float("inf")
-        safetensors_torch.save_file(tensors, f, metadata={"format": "pt"})
-    return d
+    return poisoned_tiny(tmp_path_factory.mktemp("poisoned") / "m", POISON)
 
 
 def _run(ex: Executor, reqs: list[dict], **kw):

@@ -21,7 +21,7 @@ from superfluid.testing.launch import python
 
 ROOT = Path(__file__).resolve().parents[2]
 CRATE = ROOT / "client" / "rust"
-TESTS = 22  # unit 9, tests/live.rs 3, tests/faults.rs 1, tests/planner.rs 5, tests/grammar.rs 2, tests/speculation.rs 2
+TESTS = 23  # unit 9, tests/live.rs 3, tests/faults.rs 2, tests/planner.rs 5, tests/grammar.rs 2, tests/speculation.rs 2
 
 
 def test_the_generated_bindings_match_the_header():

@@ -83,3 +83,35 @@ fn fault_schedules_fire_list_and_clear_and_the_planner_finishes_through_them() {
     assert_eq!(planner.conn.list_faults(T).unwrap().rules[0].fired, 1);
     assert_eq!(planner.conn.clear_faults(T).unwrap(), 1);
 }
+
+/// A row the model itself makes non-finite (a checkpoint whose embedding row
+/// 7 is +inf; nothing injected) faults NUMERIC, and the same row would come
+/// back on every re-admission: the Rust planner ends that request "fault"
+/// after one fault, as the Python planner does, and the other requests get
+/// the Python planner's tokens.
+#[test]
+fn a_fault_the_model_causes_ends_its_request_as_in_python() {
+    let Some(py) = python() else { return };
+    let dir = std::env::temp_dir().join(format!("sf-poisoned-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir.with_file_name(format!("sf-poisoned-{}.clean", std::process::id())));
+    let made = std::process::Command::new(&py)
+        .args(["-P", "-m", "superfluid.testing.checkpoints", "poisoned"])
+        .arg(&dir)
+        .arg("7")
+        .output()
+        .expect("python");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let d = serve(&py, &format!("rfp{}", std::process::id()), &["--model", dir.to_str().unwrap()]);
+    let w = serde_json::json!({"requests": [
+        {"prompt": [3, 4, 5], "max_new_tokens": 6, "stop_at_eos": false},
+        {"prompt": [9, 7, 2], "max_new_tokens": 6, "stop_at_eos": false},
+        {"prompt": [11, 12], "max_new_tokens": 6, "stop_at_eos": false}]});
+    let mine = rust_plan(&d.1, &w);
+    let theirs = python_plan(&py, &d.1, &w);
+    assert_eq!(outcomes(&mine), outcomes(&theirs));
+    let got = outcomes(&mine);
+    assert_eq!(got[1], (vec![], "fault".to_string()));
+    assert!(got[0].0.len() == 6 && got[2].0.len() == 6); // the negative control: the others ran
+    assert_eq!(mine["results"][1]["admissions"], 1);
+}
