@@ -134,6 +134,7 @@ static int run_linear(linear_job *j, int nthreads) {
     j->wpart = panel_elems(j->a.K, j->a.wtype);
     j->a.ps = parts * j->wpart;
     j->a.stream = !j->a.resid && !j->a.bias && (long)j->a.n * j->a.out >= STREAM_FLOATS;
+    if (j->a.stream && j->isa >= SF_ISA_AVX512) j->a.stream = 2;
     j->blocks = (j->a.n + BLOCK_T - 1) / BLOCK_T;
     j->per = PANELS_PER_TASK;
     j->all_parts = j->a.n <= SMALL_N;

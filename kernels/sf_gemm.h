@@ -44,7 +44,7 @@ typedef struct {
     long ldy;
     int resid;
     long ps; /* weight elements from one panel to the next */
-    int stream; /* an output too big to stay cached: written with non-temporal stores */
+    int stream; /* an output too big to stay cached: written with non-temporal stores (2: 64 bytes a store) */
 } gemm_args;
 
 typedef struct {
@@ -93,9 +93,17 @@ static inline const void *panel_at(const gemm_args *a, int p, long k0) {
 /* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y
  * (v = acc + bias, then y + v: the branches outside the loops, which the
  * compiler then vectorizes; elementwise, so the same bits). */
+void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt);
+
 static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
     int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
     const float *b = a->bias ? a->bias + o0 : NULL;
+#if SF_X86
+    if (a->stream == 2 && m == PANEL && (((uintptr_t)(a->y + o0) | (uintptr_t)a->ldy * 4) & 63) == 0) {
+        stream_panel512(a->y + (long)t0 * a->ldy + o0, a->ldy, acc, lda, nt);
+        return;
+    }
+#endif
     for (int t = 0; t < nt; t++) {
         float *y = a->y + (long)(t0 + t) * a->ldy + o0;
         const float *c = acc + t * lda;

@@ -132,4 +132,12 @@ void linear_task_avx512(const void *ctx, long task) {
             for (int i = 0; i < np; i++) epilogue(&a, acc + i * PANEL, 2 * PANEL, b0, bn, (p + i) * PANEL);
         }
 }
+
+/* An epilogue's rows (a plain copy of nt rows of a panel) with 64-byte
+ * non-temporal stores: each fills a write-combining line at once; y and
+ * ldy * 4 are multiples of 64 (epilogue checked). */
+__attribute__((target(T512))) void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt) {
+    for (int t = 0; t < nt; t++) _mm512_stream_ps(y + t * ldy, _mm512_loadu_ps(acc + t * lda));
+    _mm_sfence();
+}
 #endif
