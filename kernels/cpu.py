@@ -250,6 +250,21 @@ def linear_parts(x: torch.Tensor, p: Packed) -> torch.Tensor:
     return y
 
 
+def linear_parts_add(x: torch.Tensor, p: Packed, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out += combine(linear_parts(x, p), bias) in one call: the same bits;
+    from a few hundred tokens the pieces are folded in cache, never written
+    whole (the stack's o and down)."""
+    x = _rows(x, p.inp, "linear_parts_add: x")
+    n = x.shape[0]
+    if out.dtype != torch.float32 or out.shape != (n, p.out) or out.stride(-1) != 1 or out.device.type != "cpu":
+        raise ValueError(f"linear_parts_add: out must be float32 [{n}, {p.out}] with unit stride")
+    _vec(bias, p.out, "linear_parts_add: bias")
+    scratch = x.new_empty((p.parts, n, p.out))
+    _check(lib.sf_linear_parts_add(_f(x), x.stride(0), n, p.inp // p.parts, p.parts, _v(p.w), p.wtype, p.out,
+                                   _f(scratch), _f(bias), _f(out), out.stride(0), _threads()), "sf_linear_parts_add")
+    return out
+
+
 @_profiled
 def combine(parts: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """out += ((parts[0] + parts[1]) + ...) + bias, pieces added in order: the

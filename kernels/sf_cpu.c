@@ -136,42 +136,47 @@ int sf_embed(const void *table, int bf16, int d, long rows, const int64_t *ids, 
  * is the residual stream, in and out; the rest is scratch (parts: [m->parts,
  * n, hidden], the row-parallel layers' pieces). */
 /* A layer's two halves up to their row-parallel pieces in `parts` (the
- * caller adds them into x: sf_combine here, gathered across ranks in
- * sf_tp.c): attention (norm, qkv, attention, o's pieces) and the MLP (norm,
- * gate_up, SwiGLU, down's pieces). */
+ * caller adds them into x: gathered across ranks in sf_tp.c), or with
+ * add_to, added into it here (sf_linear_parts_add: sf_combine's bits):
+ * attention (norm, qkv, attention, o's pieces) and the MLP (norm, gate_up,
+ * SwiGLU, down's pieces). */
 int sf_layer_attn(const sf_model *m, const sf_layer *L, const float *x, int n, const int64_t *pos,
                   const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, float *h,
-                  float *qkv, float *att, float *parts, int nthreads) {
+                  float *qkv, float *att, float *parts, float *add_to, int nthreads) {
     int H = m->hidden, q = m->nh * m->hd, qkvw = (m->nh + 2 * m->nkv) * m->hd, g = m->parts;
     SF_TRY(sf_rmsnorm(x, H, n, H, L->attn_norm, m->eps, h, H, nthreads));
     SF_TRY(sf_linear(h, H, n, H, L->qkv, m->wtype, qkvw, L->qkv_b, qkv, qkvw, 0, nthreads));
     SF_TRY(sf_attention(qkv, qkvw, n, m->nh, m->nkv, m->hd, pos, cells, feed_of, tables, width, m->cos, m->sin,
                         L->q_norm, L->k_norm, m->eps, L->k_pool, L->v_pool, m->kv_bf16, m->head_stride, m->page,
                         m->scale, att, q, nthreads));
-    SF_TRY(sf_linear_parts(att, q, n, q / g, g, L->o, m->wtype, H, parts, nthreads));
+    if (add_to)
+        SF_TRY(sf_linear_parts_add(att, q, n, q / g, g, L->o, m->wtype, H, parts, L->o_b, add_to, H, nthreads));
+    else
+        SF_TRY(sf_linear_parts(att, q, n, q / g, g, L->o, m->wtype, H, parts, nthreads));
     return 0;
 }
 
 int sf_layer_mlp(const sf_model *m, const sf_layer *L, const float *x, int n, float *h, float *gu, float *act,
-                 float *parts, int nthreads) {
+                 float *parts, float *add_to, int nthreads) {
     int H = m->hidden, g = m->parts;
     SF_TRY(sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads));
     SF_TRY(sf_linear(h, H, n, H, L->gate_up, m->wtype, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0, nthreads));
     SF_TRY(sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads));
-    SF_TRY(sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, nthreads));
+    if (add_to)
+        SF_TRY(sf_linear_parts_add(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, L->down_b, add_to,
+                                   H, nthreads));
+    else
+        SF_TRY(sf_linear_parts(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, nthreads));
     return 0;
 }
 
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads) {
-    int H = m->hidden, g = m->parts;
     for (int l = 0; l < m->n_layers; l++) {
         const sf_layer *L = &m->layers[l];
-        SF_TRY(sf_layer_attn(m, L, x, n, pos, cells, feed_of, tables, width, h, qkv, att, parts, nthreads));
-        SF_TRY(sf_combine(parts, g, n, H, L->o_b, x, H, nthreads));
-        SF_TRY(sf_layer_mlp(m, L, x, n, h, gu, act, parts, nthreads));
-        SF_TRY(sf_combine(parts, g, n, H, L->down_b, x, H, nthreads));
+        SF_TRY(sf_layer_attn(m, L, x, n, pos, cells, feed_of, tables, width, h, qkv, att, parts, x, nthreads));
+        SF_TRY(sf_layer_mlp(m, L, x, n, h, gu, act, parts, x, nthreads));
     }
     return 0;
 }

@@ -65,6 +65,11 @@ int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, 
 int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,
                     int nthreads);
 int sf_combine(const float *parts, int g, int n, int out, const float *bias, float *y, long ldy, int nthreads);
+/* y += sf_combine of sf_linear_parts's pieces (+ bias): the same bits; a
+ * big n folds the pieces in cache instead of writing them (scratch: parts
+ * planes [parts][n][out], as sf_linear_parts's y). */
+int sf_linear_parts_add(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out,
+                        float *scratch, const float *bias, float *y, long ldy, int nthreads);
 int sf_rmsnorm(const float *x, long ldx, int n, int d, const float *w, float eps, float *y, long ldy,
                int nthreads);
 int sf_silu_mul(const float *gu, long ldg, int n, int inter, float *out, long ldo, int nthreads);

@@ -133,11 +133,11 @@ static int run_linear(linear_job *j, int nthreads) {
     int parts = j->parts;
     j->wpart = panel_elems(j->a.K, j->a.wtype);
     j->a.ps = parts * j->wpart;
-    j->a.stream = !j->a.resid && !j->a.bias && (long)j->a.n * j->a.out >= STREAM_FLOATS;
+    j->a.stream = !j->a.resid && !j->a.bias && !j->fold_y && (long)j->a.n * j->a.out >= STREAM_FLOATS;
     if (j->a.stream && j->isa >= SF_ISA_AVX512) j->a.stream = 2;
     j->blocks = (j->a.n + BLOCK_T - 1) / BLOCK_T;
     j->per = PANELS_PER_TASK;
-    j->all_parts = j->a.n <= SMALL_N;
+    j->all_parts = j->a.n <= SMALL_N || j->fold_y; /* (a fold: a task's pieces in order) */
     if (j->all_parts) { /* memory-bound: a task streams at least TASK_BYTES (a short reduction: many panels) */
         long panel_bytes = j->a.ps * (j->a.wtype == WT_F32 ? 4 : 2);
         long chunks = (j->panels * panel_bytes + TASK_BYTES - 1) / TASK_BYTES;
@@ -180,6 +180,26 @@ int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const voi
     if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
     linear_job j = {{x, ldx, n, K, out, w, wtype, NULL, y, out, 0, 0}, (out + PANEL - 1) / PANEL, 0, 0,
                     sf_cpu_isa(), 0, parts, 0, 0, NULL};
+    return run_linear(&j, nthreads);
+}
+
+/* y += sf_combine(sf_linear_parts(...), bias), the same bits. From two
+ * token blocks a thread, without the pieces in memory: a task takes every
+ * piece of its panels in order and folds each into the first scratch plane
+ * while its rows are still cached; the last adds the sum (+ bias) into y
+ * (a prefill's o and down wrote their g planes and read them back). Fewer
+ * tokens: the pieces' tasks spread over the threads, then sf_combine. */
+int sf_linear_parts_add(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out,
+                        float *scratch, const float *bias, float *y, long ldy, int nthreads) {
+    if (n <= 0 || out <= 0) return 0;
+    if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
+    if (n < 2L * BLOCK_T * nthreads) {
+        int rc = sf_linear_parts(x, ldx, n, K, parts, w, wtype, out, scratch, nthreads);
+        return rc ? rc : sf_combine(scratch, parts, n, out, bias, y, ldy, nthreads);
+    }
+    linear_job j = {{x, ldx, n, K, out, w, wtype, NULL, scratch, out, 0, 0}, (out + PANEL - 1) / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, parts, 0, 0, NULL};
+    j.fold_y = y, j.fold_ldy = ldy, j.fold_bias = bias;
     return run_linear(&j, nthreads);
 }
 

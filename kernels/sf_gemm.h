@@ -45,6 +45,9 @@ typedef struct {
     int resid;
     long ps; /* weight elements from one panel to the next */
     int stream; /* an output too big to stay cached: written with non-temporal stores (2: 64 bytes a store) */
+    float *fy; /* the last piece of a fold (sf_linear_parts_add): fy += (y + acc) (+ fbias) */
+    long fldy;
+    const float *fbias;
 } gemm_args;
 
 typedef struct {
@@ -55,6 +58,9 @@ typedef struct {
     int all_parts; /* a task takes its panels' every part (few tokens: a panel's parts are one stream) */
     long wpart; /* weight elements of one part of one panel */
     uint32_t *xb; /* WT_BF16_PAIRS: x as bf16 pairs [parts][n][ceil(K / 2)] */
+    float *fold_y; /* sf_linear_parts_add: the pieces folded into a.y [n][out], then added into fold_y */
+    long fold_ldy;
+    const float *fold_bias;
 } linear_job;
 
 /* A task's share: its token block, its panel range and its parts [q0, q1)
@@ -72,14 +78,20 @@ static inline void task_share(const linear_job *j, long task, int *b0, int *bn, 
 }
 
 /* Part q's arguments: it reads x's columns [q K, (q + 1) K), its weights
- * start wpart elements into each panel's, and it writes y + q n ldy. */
+ * start wpart elements into each panel's, and it writes y + q n ldy. In a
+ * fold every part writes y: the first its sums, the next ones y + theirs,
+ * the last fold_y + ((y + its) + bias) (sf_combine's adds, in its order). */
 static inline gemm_args part_args(const linear_job *j, int q) {
     gemm_args a = j->a;
     if (q) {
         a.x += (long)q * a.K;
         a.w = a.wtype == WT_F32 ? (const void *)((const float *)a.w + q * j->wpart)
                                 : (const void *)((const uint16_t *)a.w + q * j->wpart);
-        a.y += (long)q * a.n * a.ldy;
+        if (!j->fold_y) a.y += (long)q * a.n * a.ldy;
+    }
+    if (j->fold_y) {
+        a.resid = q > 0;
+        if (q == j->parts - 1) a.fy = j->fold_y, a.fldy = j->fold_ldy, a.fbias = j->fold_bias;
     }
     return a;
 }
@@ -98,6 +110,18 @@ void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt);
 static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
     int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
     const float *b = a->bias ? a->bias + o0 : NULL;
+    if (a->fy) { /* a fold's last piece */
+        const float *fb = a->fbias ? a->fbias + o0 : NULL;
+        for (int t = 0; t < nt; t++) {
+            const float *y = a->y + (long)(t0 + t) * a->ldy + o0, *c = acc + t * lda;
+            float *f = a->fy + (long)(t0 + t) * a->fldy + o0, s[PANEL];
+            for (int i = 0; i < m; i++) s[i] = a->resid ? y[i] + c[i] : c[i];
+            if (fb)
+                for (int i = 0; i < m; i++) s[i] = s[i] + fb[i];
+            for (int i = 0; i < m; i++) f[i] = f[i] + s[i];
+        }
+        return;
+    }
 #if SF_X86
     if (a->stream == 2 && m == PANEL && (((uintptr_t)(a->y + o0) | (uintptr_t)a->ldy * 4) & 63) == 0) {
         stream_panel512(a->y + (long)t0 * a->ldy + o0, a->ldy, acc, lda, nt);

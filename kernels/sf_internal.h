@@ -25,12 +25,12 @@ int sf_amx_verify(void);
 /* Whether vdpbf16ps gives the bf16-dot class's bits here (sf_gemm_dot.c). */
 int sf_dp_verify(void);
 
-/* A layer's halves up to their row-parallel pieces (sf_cpu.c; sf_forward and sf_forward_tp add them). */
+/* A layer's halves up to their row-parallel pieces, or added into add_to (sf_cpu.c). */
 int sf_layer_attn(const sf_model *m, const sf_layer *L, const float *x, int n, const int64_t *pos,
                   const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, float *h,
-                  float *qkv, float *att, float *parts, int nthreads);
+                  float *qkv, float *att, float *parts, float *add_to, int nthreads);
 int sf_layer_mlp(const sf_model *m, const sf_layer *L, const float *x, int n, float *h, float *gu, float *act,
-                 float *parts, int nthreads);
+                 float *parts, float *add_to, int nthreads);
 
 /* A layer's kernel call in sf_forward(_tp): the first failure ends the step
  * (nothing after it runs on a stale buffer), SF_ERR_PATH kept, any other -1. */

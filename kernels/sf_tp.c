@@ -54,9 +54,9 @@ int sf_forward_tp(const sf_model *m, sf_tp_comm *c, float *x, int n, const int64
     for (int l = 0; l < m->n_layers; l++) {
         const sf_layer *L = &m->layers[l];
         int rc;
-        SF_TRY(sf_layer_attn(m, L, x, n, pos, cells, feed_of, tables, width, h, qkv, att, parts, nthreads));
+        SF_TRY(sf_layer_attn(m, L, x, n, pos, cells, feed_of, tables, width, h, qkv, att, parts, NULL, nthreads));
         if ((rc = gather_combine(c, m, n, parts, stage, every, L->o_b, x, nthreads))) return rc;
-        SF_TRY(sf_layer_mlp(m, L, x, n, h, gu, act, parts, nthreads));
+        SF_TRY(sf_layer_mlp(m, L, x, n, h, gu, act, parts, NULL, nthreads));
         if ((rc = gather_combine(c, m, n, parts, stage, every, L->down_b, x, nthreads))) return rc;
     }
     return 0;

@@ -103,6 +103,32 @@ def test_an_output_past_the_caches_is_written_around_them_with_the_same_bits(dty
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pieces_folded_in_cache_add_the_bits_of_pieces_then_combine(dtype, threads):
+    """linear_parts_add (sf_forward's o and down): below two token blocks a
+    thread, the pieces then combine; above, every piece of a task's panels
+    folded in order into one plane and the last added into out: the same
+    bits either way, with and without a bias, on every path of the class;
+    rows differ, so the equality is not vacuous."""
+    torch.manual_seed(4)
+    w, b = torch.randn(200, 8 * 48).to(dtype), torch.randn(200)  # 8 pieces of 48; a tail panel
+    p = cpu.pack_parts(w, 8)
+    best = cpu.ISA_LEVELS.get(cpu.best_isa(), 0)
+    for n, t in ((5, 2), (191, 1), (192, 1), (420, 2), (700, 3)):  # each side of 2 x 96 x threads
+        threads(t)
+        x, base = torch.randn(n, 8 * 48), torch.randn(n, 200)
+        want = cpu.combine(cpu.linear_parts(x, p), base.clone(), b)
+        for level in range(best + 1) if p.numeric_class != "bf16-amx" else [best]:
+            cpu.force_isa(level)
+            try:
+                assert torch.equal(cpu.linear_parts_add(x, p, base.clone(), b), want), (n, t, cpu.isa())
+                assert torch.equal(cpu.linear_parts_add(x, p, base.clone()), cpu.combine(cpu.linear_parts(x, p),
+                                                                                         base.clone()))
+            finally:
+                cpu.force_isa(None)
+        assert not torch.equal(want[0], want[-1])
+
+
 def test_rmsnorm_and_silu_mul_match_torch_and_the_scalar_path():
     torch.manual_seed(2)
     x, w = torch.randn(33, 520) * 3, torch.rand(520)
