@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from superfluid.abi import OpStatus
+from superfluid.client.session import WorkerRestarted
 
 # (kind, text) with kind json_schema, regex, lark or gbnf; ("choice", [str, ...]).
 GrammarSpec = tuple[str, str | Sequence[str]]
@@ -57,8 +58,12 @@ class GrammarBook:
     def release(self, req_id: int, timeout: float | None) -> None:
         """The request is done: its grammar can go."""
         h = self._handles.pop(req_id, None)
-        if h is not None:
+        if h is None:
+            return
+        try:
             self.client.op("RELEASE_GRAMMAR", timeout, handle=h)  # UnknownHandle: gone anyway
+        except WorkerRestarted:
+            pass  # gone with its worker (the planner's next tick sees the restart)
 
     def forget(self) -> None:
         """The worker restarted: its grammars are gone."""

@@ -87,9 +87,10 @@ class Planner(Absorbing):
     max_admits_per_tick: new lanes per tick (None: as the limits allow).
     use_leases: lease the longest cached prefix for each admission whose
         prompt may share pages with what this planner had published.
-    max_fault_readmits: faults (not injected ones) after which a request ends
-        "fault" instead of being re-admitted again; a NUMERIC fault ends it
-        at once (the same row would come back).
+    max_fault_readmits: how many times in a row (no token between) a
+        faulted request is re-admitted; its next fault ends it "fault". A
+        NUMERIC fault ends it at once (the same row would come back);
+        injected and OOM_TENTATIVE faults never count (_absorb_faults).
     strategy: a speculation strategy (client.strategies.Strategy) installed on
         the worker and named by every request's admission unless it opts out;
         a drafting lane may emit more than decode_grant tokens a tick

@@ -90,10 +90,13 @@ class Absorbing:
         """A faulted lane's sequence is gone: retire its tag and re-admit the
         request from where it was, as after a restart. Not a fault that
         would come back: a non-finite row (NUMERIC) is the same bits on a
-        re-admission, so that request ends "fault" with what it has, as one
-        does after max_fault_readmits other faults. Injected faults (their
-        detail's mark) never end a request: the harness bounds them."""
-        again = []
+        re-admission, so that request ends "fault" with what it has; so does
+        one that faulted more than max_fault_readmits times in a row (no
+        token in between). Not counted: OOM_TENTATIVE (memory comes back)
+        and injected faults (their detail's mark: the harness bounds them).
+        A failed batched step faults every lane in it, so a lane that breaks
+        every step it is in charges its batch-mates too, until it ends."""
+        again, ended = [], []
         for f in ev.faults:
             self.stats.faults += 1
             self.retire_next.add(f.lane_tag)
@@ -101,14 +104,16 @@ class Absorbing:
             if lane is None or lane.request.done:
                 continue
             req = lane.request
-            if not f.detail & _INJECTED:
+            if not f.detail & _INJECTED and f.code != Fault.OOM_TENTATIVE:
                 req.faults += 1
                 if f.code == Fault.NUMERIC or req.faults > self.max_fault_readmits:
                     req.finish, req.finished_at = "fault", now
-                    self.grammars.release(req.id, self.tick_timeout)
+                    ended.append(req)
                     continue
             again.append(req)
         self.waiting.extendleft(reversed(again))
+        for req in ended:  # (after the queue: a worker gone meanwhile leaves nothing half done)
+            self.grammars.release(req.id, self.tick_timeout)
 
     def _absorb_emit(self, emit: LaneEmit, now: float) -> None:
         lane = self.lanes.get(emit.lane_tag)
@@ -120,6 +125,8 @@ class Absorbing:
         tokens = self._host_sample(lane, emit) if req.sampling == Sampling.HOST else self.client.tokens(emit)
         req.generated.extend(tokens)
         req.token_times.extend([now] * len(tokens))
+        if tokens:
+            req.faults = 0  # progress: the faults before it are not in a row
         reason = self._finish_reason(req, emit, tokens)
         if reason is not None:
             req.finish, req.finished_at = reason, now

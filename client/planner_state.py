@@ -41,7 +41,7 @@ class Request:
     finish: str | None = None
     finished_at: float | None = None
     admissions: int = 0  # > 1: re-admitted after a restart, a fault or a preemption
-    faults: int = 0  # its lanes' faults, not counting injected ones
+    faults: int = 0  # its lanes' faults in a row (no token between), not counting injected or OOM ones
     grammar: GrammarSpec | None = None  # its output is constrained to this
     speculate: bool = False  # admitted with the planner's strategy (drafting never changes its tokens)
     seed: Seed | None = None  # a lease for its next admission

@@ -259,6 +259,8 @@ def linear_parts_add(x: torch.Tensor, p: Packed, out: torch.Tensor, bias: torch.
     if out.dtype != torch.float32 or out.shape != (n, p.out) or out.stride(-1) != 1 or out.device.type != "cpu":
         raise ValueError(f"linear_parts_add: out must be float32 [{n}, {p.out}] with unit stride")
     _vec(bias, p.out, "linear_parts_add: bias")
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError("linear_parts_add: out shares x's memory (tasks add into out while others read x)")
     scratch = x.new_empty((p.parts, n, p.out))
     _check(lib.sf_linear_parts_add(_f(x), x.stride(0), n, p.inp // p.parts, p.parts, _v(p.w), p.wtype, p.out,
                                    _f(scratch), _f(bias), _f(out), out.stride(0), _threads()), "sf_linear_parts_add")

@@ -6,13 +6,18 @@
  * What the hardware faults on aborts here with a message: a tile used
  * before a configuration or after a release, a palette other than 1, a
  * shape past 16 rows x 64 bytes, a tdpbf16ps whose shapes disagree or whose
- * tiles are not three. TDPBF16PS is the SDM's pseudo-code: per row, the
- * even and the odd products summed apart over the instruction's pairs from
- * zero, then the two sums added, then added to the accumulator, float32
- * with the MXCSR's rounding, FTZ and DAZ (the task sets them). Real tiles
- * may order their sums otherwise: the bits of the class are the hardware's,
- * which is why sf_amx_verify checks the kernel against float64 where it
- * runs, not against this. */
+ * tiles are not three (stricter than the hardware on a nonzero start_row;
+ * like it, no bounds check on what a load reads). TDPBF16PS follows the
+ * SDM's pseudo-code: per row, the even and the odd products summed apart
+ * over the instruction's pairs from zero, then the two sums added, then
+ * added to the accumulator, in float32 to nearest even with denormals
+ * flushed whatever the caller's MXCSR (as the hardware ignores it); each
+ * product is rounded before its add where the SDM fuses them, which differs
+ * only for a product below float32's normal range. Real tiles may order
+ * their sums otherwise: the bits of the class are the hardware's, which is
+ * why sf_amx_verify checks the kernel against float64 where it runs, not
+ * against this. A build with it offers its tiles only to a process that
+ * sets SUPERFLUID_AMX_EMULATED=1 (sf_pool.c): never to a worker by mistake.  */
 #ifndef SF_AMX_EMU_H
 #define SF_AMX_EMU_H
 
@@ -20,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xmmintrin.h>
 
 typedef struct {
     int configured;
@@ -83,6 +89,8 @@ static float emu_bf16(const uint8_t *p) {
 }
 
 static void emu_dpbf16ps(int c, int a, int b) {
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr((csr & ~0x6000u) | 0x8040u); /* FTZ, DAZ, to nearest even */
     emu_used(c), emu_used(a), emu_used(b);
     if (c == a || c == b || a == b) emu_fault("tdpbf16ps with a tile twice", c);
     int M = emu.rows[c], N = emu.colsb[c] / 4, K = emu.colsb[a] / 4;
@@ -99,6 +107,7 @@ static void emu_dpbf16ps(int c, int a, int b) {
             acc += even + odd;
             memcpy(&emu.data[c][m][4 * n], &acc, 4);
         }
+    _mm_setcsr(csr);
 }
 
 #define AMX_LOADCONFIG(c) emu_loadconfig(c)

@@ -42,9 +42,10 @@ static void detect(void) {
         if (!sf_dp_verify()) g_features = (g_features & ~(unsigned)SF_FEAT_AVX512_BF16) | SF_FEAT_BF16_DIFFERS;
     }
 #ifdef SF_AMX_EMULATE
-    /* a test build (sf_amx_emu.h): tiles in C, on top of the avx512-bf16 path */
+    /* a test build (sf_amx_emu.h): tiles in C, on top of the avx512-bf16 path, for a process that asks */
     (void)tiles;
-    if (g_features & SF_FEAT_AVX512_BF16) {
+    const char *ask = getenv("SUPERFLUID_AMX_EMULATED");
+    if ((g_features & SF_FEAT_AVX512_BF16) && ask && strcmp(ask, "1") == 0) {
         g_features |= SF_FEAT_AMX_BF16 | SF_FEAT_AMX_PERMITTED | SF_FEAT_AMX_EMULATED;
         if (sf_amx_verify()) g_features |= SF_FEAT_AMX_VERIFIED;
     }

@@ -58,7 +58,7 @@ type Request struct {
 	Finish      string // "" (running), "eos", "grammar", "length", "max_tokens", "unservable", "fault"
 	FinishedAt  time.Time
 	Admissions  int  // > 1: re-admitted after a restart, a fault or a preemption
-	Faults      int  // its lanes' faults, not counting injected ones
+	Faults      int  // its lanes' faults in a row (no token between), not counting injected or OOM ones
 	Speculate   bool // admitted with the planner's strategy (drafting never changes its tokens)
 
 	seed   *Seed // a lease for its next admission
@@ -113,9 +113,11 @@ type PlannerOptions struct {
 	TickTimeout        time.Duration
 	ReconnectTimeout   time.Duration
 	NoLeases           bool // don't lease cached prefixes for admissions
-	// MaxFaultReadmits: faults (not injected ones) after which a request ends
-	// "fault" instead of being re-admitted again (0: 8; negative: none); a
-	// NUMERIC fault ends it at once (the same row would come back).
+	// MaxFaultReadmits: how many times in a row (no token between) a faulted
+	// request is re-admitted; its next fault ends it "fault" (0: 8, as the
+	// other zero values take the defaults; negative: none). A NUMERIC fault
+	// ends it at once (the same row would come back); injected and
+	// OOM_TENTATIVE faults never count.
 	MaxFaultReadmits int
 	// Strategy: a speculation strategy installed on the worker and named by
 	// every request's admission unless it opts out (NoSpeculate); nil: none.

@@ -80,10 +80,12 @@ func (p *Planner) absorbShed(ev *Events) {
 // absorbFaults: a faulted lane's sequence is gone: retire its tag and
 // re-admit the request from where it was, as after a restart. Not a fault
 // that would come back: a non-finite row (NUMERIC) is the same bits on a
-// re-admission, so that request ends "fault" with what it has, as one does
-// after MaxFaultReadmits other faults. Injected faults never end a request.
+// re-admission, so that request ends "fault" with what it has; so does one
+// that faulted more than MaxFaultReadmits times in a row (no token in
+// between). Not counted: OOM_TENTATIVE (memory comes back) and injected
+// faults (the harness bounds them). client/planner_absorb.py's rule.
 func (p *Planner) absorbFaults(ev *Events, now time.Time) error {
-	var again []*Request
+	var again, ended []*Request
 	for _, f := range ev.Faults {
 		p.Stats.Faults++
 		p.retireNext[f.LaneTag] = true
@@ -92,19 +94,22 @@ func (p *Planner) absorbFaults(ev *Events, now time.Time) error {
 			continue
 		}
 		r := l.req
-		if !f.Injected() {
+		if !f.Injected() && f.Code != SF_FAULT_OOM_TENTATIVE {
 			r.Faults++
 			if f.Code == SF_FAULT_NUMERIC || r.Faults > p.Opts.MaxFaultReadmits {
 				r.Finish, r.FinishedAt = "fault", now
-				if err := p.Grammars.Release(r.ID, p.Opts.TickTimeout); err != nil {
-					return err
-				}
+				ended = append(ended, r)
 				continue
 			}
 		}
 		again = append(again, r)
 	}
 	p.waiting = append(again, p.waiting...)
+	for _, r := range ended {
+		if err := p.Grammars.Release(r.ID, p.Opts.TickTimeout); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -134,6 +139,9 @@ func (p *Planner) absorbEmit(e *LaneEmit, now time.Time) error {
 	r.Generated = append(r.Generated, tokens...)
 	for range tokens {
 		r.TokenTimes = append(r.TokenTimes, now)
+	}
+	if len(tokens) > 0 {
+		r.Faults = 0 // progress: the faults before it are not in a row
 	}
 	if reason := p.finishReason(r, e, tokens); reason != "" {
 		r.Finish, r.FinishedAt = reason, now

@@ -7,8 +7,8 @@ import (
 
 // A fault that would come back ends its request "fault" instead of being
 // re-admitted forever: a NUMERIC one (the same row comes back) at once,
-// others after MaxFaultReadmits; injected faults are re-admitted however
-// many (client/planner.py's _absorb_faults, the same rule).
+// others after MaxFaultReadmits in a row; OOM_TENTATIVE and injected faults
+// are re-admitted however many (client/planner_absorb.py's rule).
 func TestFaultsThatWouldComeBackEndTheRequest(t *testing.T) {
 	p := &Planner{Opts: PlannerOptions{MaxFaultReadmits: 2}, retireNext: map[uint64]bool{},
 		Grammars: &GrammarBook{handles: map[int]uint64{}}}
@@ -37,13 +37,22 @@ func TestFaultsThatWouldComeBackEndTheRequest(t *testing.T) {
 			t.Fatalf("INTERNAL fault %d: re-admitted %v, finish %q", i, again, internal.Finish)
 		}
 	}
+	resumed := &Request{ID: 4}
+	for i := 0; i < 5; i++ { // a token between faults: not in a row; OOM_TENTATIVE never counts
+		fault(resumed, SF_FAULT_INTERNAL, 0)
+		fault(resumed, SF_FAULT_OOM_TENTATIVE, 0)
+		resumed.Faults = 0 // (what absorbEmit does when the re-admitted lane emits a token)
+		if resumed.Done() {
+			t.Fatalf("fault %d after progress ended the request", i)
+		}
+	}
 	for i := 0; i < 5; i++ { // the negative control: injected ones, NUMERIC included, never end it
 		fault(injected, SF_FAULT_NUMERIC, SF_FAULT_DETAIL_INJECTED)
 		if len(p.waiting) != 1 || injected.Done() || injected.Faults != 0 {
 			t.Fatalf("injected fault %d ended the request (%q)", i, injected.Finish)
 		}
 	}
-	if p.Stats.Faults != 9 {
+	if p.Stats.Faults != 19 {
 		t.Fatalf("faults counted %d", p.Stats.Faults)
 	}
 }

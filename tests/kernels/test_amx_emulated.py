@@ -4,7 +4,8 @@ where the hardware would fault) runs the ISA-path, kernel and numeric-class
 suites in a child process. That checks everything of the path but the
 hardware's own rounding (its tile shapes, strides, tails and
 reconfigurations, the packing, the dispatch, the class's refusals); on a
-machine with AMX the suites run on the real tiles and this is skipped."""
+machine with AMX the suites run on the real tiles and this is skipped. The
+build offers its tiles only to a process that sets SUPERFLUID_AMX_EMULATED=1."""
 
 from __future__ import annotations
 
@@ -55,8 +56,15 @@ def test_the_amx_path_passes_the_kernel_suites_on_emulated_tiles(tmp_path):
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     so = built.stdout.strip().splitlines()[-1]
+    # Not asked for (SUPERFLUID_AMX_EMULATED unset), the build offers no tiles: such a build never
+    # serves a worker bf16-amx rows by mistake.
+    env = {k: v for k, v in os.environ.items() if k != "SUPERFLUID_AMX_EMULATED"}
+    plain = subprocess.run([sys.executable, "-P", "-c", CHILD.format(so=so, suites=["--co", SUITES[0]])],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    line = next((ln.split() for ln in plain.stdout.splitlines() if ln.startswith("PATH ")), None)
+    assert line and line[1] == "avx512-bf16" and "amx" not in line[2], plain.stdout[-2000:] + plain.stderr[-2000:]
     run = subprocess.run([sys.executable, "-P", "-c", CHILD.format(so=so, suites=SUITES)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=900, env=dict(env, SUPERFLUID_AMX_EMULATED="1"))
     out = run.stdout + run.stderr
     path = next((line.split() for line in out.splitlines() if line.startswith("PATH ")), None)
     assert path and path[1] == "amx-bf16" and {"amx-emulated", "amx-verified"} <= set(path[2].split(",")), out[-3000:]

@@ -73,13 +73,14 @@ def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_an_output_past_the_caches_is_written_around_them_with_the_same_bits(dtype):
+@pytest.mark.parametrize("out", [2000, 1990])  # rows of 64-byte lines; rows 16-byte aligned every other, a tail panel
+def test_an_output_past_the_caches_is_written_around_them_with_the_same_bits(dtype, out):
     """From 2M floats (STREAM_FLOATS) a GEMM's plain stores bypass the
     caches: the rows equal those of calls too small to stream, on every
     path, in one piece and in parts; the bias and residual forms, which never
     stream, are the control that the big calls ran whole."""
     torch.manual_seed(3)
-    n, inp, out = 1090, 64, 2000  # 2.18M outputs; a tail panel (2000 = 125 x 16) and a tail token block
+    n, inp = 1090, 64  # over 2.1M outputs; a tail token block
     w, b = torch.randn(out, inp).to(dtype), torch.randn(out)
     x = torch.randn(n, inp)
     p, pp = cpu.pack(w), cpu.pack_parts(w, 4)
@@ -112,9 +113,10 @@ def test_pieces_folded_in_cache_add_the_bits_of_pieces_then_combine(dtype, threa
     rows differ, so the equality is not vacuous."""
     torch.manual_seed(4)
     w, b = torch.randn(200, 8 * 48).to(dtype), torch.randn(200)  # 8 pieces of 48; a tail panel
-    p = cpu.pack_parts(w, 8)
     best = cpu.ISA_LEVELS.get(cpu.best_isa(), 0)
-    for n, t in ((5, 2), (191, 1), (192, 1), (420, 2), (700, 3)):  # each side of 2 x 96 x threads
+    # each side of 2 x 96 x threads; 193: a lone token's block (the GEMV paths); one piece
+    for n, t, g in ((5, 2, 8), (191, 1, 8), (192, 1, 8), (193, 1, 8), (420, 2, 8), (700, 3, 8), (200, 1, 1)):
+        p = cpu.pack_parts(w, g)
         threads(t)
         x, base = torch.randn(n, 8 * 48), torch.randn(n, 200)
         want = cpu.combine(cpu.linear_parts(x, p), base.clone(), b)
@@ -268,14 +270,16 @@ def test_the_stack_in_one_call_is_bitwise_the_layer_by_layer_path(tmp_path, arch
         assert rt.model.stack is not None
         if not one_call:
             rt.model.stack = None
-        a, b = rt.seq_create(), rt.seq_create()
+        a, b, c = rt.seq_create(), rt.seq_create(), rt.seq_create()
         out = rt.step_rows([Feed(a, list(range(1, 40))), Feed(b, [7, 8, 9])])
+        # 420 tokens (past 2 x 96 x threads): o's and down's pieces folded in cache (sf_linear_parts_add)
+        out += rt.step([Feed(c, [(7 * i) % 300 + 1 for i in range(420)], True)])
         out += rt.step([Feed(a, [3], True), Feed(b, [4], True)])
         out += rt.step([Feed(a, [5, 6, 7], True), Feed(b, [8, 9], False)])  # some rows: the head gathers them
         return out
 
     got, want = rows(True), rows(False)
-    assert len(got) == len(want) == 5
+    assert len(got) == len(want) == 6
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 

@@ -1,6 +1,6 @@
 //! Folding an accepted plan and its events back into the planner: admitted
 //! lanes, how far each prefill really got (shed chunks), emitted tokens and
-//! finishes, host rows to sample, faulted lanes to re-admit.
+//! finishes, host rows to sample, faulted lanes to re-admit or end.
 use crate::abi::*;
 use crate::events::{Error, Events};
 use crate::planner::{Draft, Finish, Lane, Planner};
@@ -84,15 +84,14 @@ impl Planner {
     }
 
     /// A faulted lane's sequence is gone: retire its tag and re-admit the
-    /// request from where it was, as after a restart.
-    /// A faulted lane's sequence is gone: retire its tag and re-admit the
     /// request from where it was, as after a restart. Not a fault that would
     /// come back: a non-finite row (NUMERIC) is the same bits on a
-    /// re-admission, so that request ends Finish::Fault with what it has, as
-    /// one does after max_fault_readmits other faults. Injected faults never
-    /// end a request.
+    /// re-admission, so that request ends Finish::Fault with what it has; so
+    /// does one that faulted more than max_fault_readmits times in a row (no
+    /// token in between). Not counted: OOM_TENTATIVE (memory comes back) and
+    /// injected faults (the harness bounds them). client/planner_absorb.py's rule.
     fn absorb_faults(&mut self, ev: &Events) -> Result<(), Error> {
-        let mut again = Vec::new();
+        let (mut again, mut ended) = (Vec::new(), Vec::new());
         for f in &ev.faults {
             self.stats.faults += 1;
             self.retire_next.insert(f.lane_tag);
@@ -102,11 +101,11 @@ impl Planner {
             if req.finish.is_some() {
                 continue;
             }
-            if !f.injected() {
+            if !f.injected() && f.code != SF_FAULT_OOM_TENTATIVE {
                 req.faults += 1;
                 if f.code == SF_FAULT_NUMERIC || req.faults > self.opts.max_fault_readmits {
                     req.finish = Some(Finish::Fault);
-                    self.grammars.release(&mut self.conn, id, self.opts.tick_timeout)?;
+                    ended.push(id);
                     continue;
                 }
             }
@@ -114,6 +113,9 @@ impl Planner {
         }
         for r in again.into_iter().rev() {
             self.waiting.push_front(r);
+        }
+        for id in ended {
+            self.grammars.release(&mut self.conn, id, self.opts.tick_timeout)?;
         }
         Ok(())
     }
@@ -142,6 +144,9 @@ impl Planner {
         let eos = &self.eos;
         let req = &mut self.requests[id];
         req.generated.extend_from_slice(&tokens);
+        if !tokens.is_empty() {
+            req.faults = 0; // progress: the faults before it are not in a row
+        }
         let last_eos = tokens.last().map_or(false, |t| eos.contains(t));
         let reason = if emit.finish == SF_FINISH_EOS || (req.spec.stop_at_eos && last_eos) {
             Some(Finish::Eos)

@@ -40,7 +40,7 @@ pub enum Finish {
     /// The worker's memory cannot hold it even alone.
     Unservable,
     /// Its lane faulted NUMERIC (the same row would come back), or faulted
-    /// more than Options::max_fault_readmits times.
+    /// more than Options::max_fault_readmits times in a row.
     Fault,
 }
 
@@ -100,7 +100,7 @@ pub struct Request {
     pub generated: Vec<u32>,
     pub finish: Option<Finish>,
     pub admissions: u32, // > 1: re-admitted after a restart, a fault or a preemption
-    pub faults: u32,     // its lanes' faults, not counting injected ones
+    pub faults: u32,     // its lanes' faults in a row (no token between), not injected or OOM ones
     /// Admitted with the planner's strategy: spec.speculate and the planner has one.
     pub speculate: bool,
     pub(crate) seed: Option<Seed>,
@@ -148,8 +148,9 @@ pub struct Options {
     pub tick_timeout: Duration,
     pub reconnect_timeout: Duration,
     pub use_leases: bool,
-    /// Faults (not injected ones) after which a request ends Finish::Fault
-    /// instead of being re-admitted again; a NUMERIC fault ends it at once.
+    /// How many times in a row (no token between) a faulted request is
+    /// re-admitted; its next fault ends it Finish::Fault. A NUMERIC fault
+    /// ends it at once; injected and OOM_TENTATIVE faults never count.
     pub max_fault_readmits: u32,
     /// A speculation strategy installed on the worker and named by every
     /// request's admission unless it opts out (RequestSpec::speculate).

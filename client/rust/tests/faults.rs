@@ -114,4 +114,7 @@ fn a_fault_the_model_causes_ends_its_request_as_in_python() {
     assert_eq!(got[1], (vec![], "fault".to_string()));
     assert!(got[0].0.len() == 6 && got[2].0.len() == 6); // the negative control: the others ran
     assert_eq!(mine["results"][1]["admissions"], 1);
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir.with_file_name(format!("sf-poisoned-{}.clean", std::process::id())));
 }
