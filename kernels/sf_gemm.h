@@ -102,11 +102,13 @@ static inline const void *panel_at(const gemm_args *a, int p, long k0) {
     return a->wtype == WT_F32 ? (const void *)((const float *)a->w + at) : (const void *)((const uint16_t *)a->w + at);
 }
 
-/* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y
- * (v = acc + bias, then y + v: the branches outside the loops, which the
- * compiler then vectorizes; elementwise, so the same bits). */
+/* sf_gemm_wide.c: nt rows of a panel with 64-byte non-temporal stores. */
 void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt);
 
+/* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y
+ * (v = acc + bias, then y + v: the branches outside the loops, which the
+ * compiler then vectorizes; elementwise, so the same bits); a fold's last
+ * piece into fy; a big plain output streamed around the caches. */
 static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
     int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
     const float *b = a->bias ? a->bias + o0 : NULL;
