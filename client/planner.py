@@ -42,7 +42,7 @@ from superfluid.abi.records import SamplingParams, TickEvents
 from superfluid.client.builder import PlanBuilder
 from superfluid.client.client import Client
 from superfluid.client.grammars import GrammarBook, GrammarSpec, fields as grammar_fields
-from superfluid.client.planner_absorb import Absorbing
+from superfluid.client.planner_absorb import _U64, Absorbing
 from superfluid.client.planner_state import Draft, HostSampler, Lane, PlannerStats, Report, Request, RequestResult
 from superfluid.client.seeding import SPI, SeedBook
 from superfluid.client.session import ClientTimeout, WorkerRestarted
@@ -50,7 +50,6 @@ from superfluid.client.strategies import Strategy, StrategyBook
 
 GPU_GREEDY, GPU_SAMPLE, HOST = Sampling.GPU_GREEDY, Sampling.GPU_SAMPLE, Sampling.HOST
 
-_U64 = (1 << 64) - 1
 _U16 = (1 << 16) - 1
 _EVICT_ALL = 1 << 62  # max_evict_bytes when the planner lets the cache go
 

@@ -16,7 +16,7 @@ from superfluid.client.grammars import GrammarBook
 from superfluid.client.planner_state import Draft, Lane, PlannerStats, Request
 from superfluid.client.seeding import SeedBook
 
-_U64 = (1 << 64) - 1
+_U64 = (1 << 64) - 1  # rng positions wrap at 64 bits (planner.py uses it too)
 _INJECTED = int(lib.SF_FAULT_DETAIL_INJECTED)  # LaneFault.detail's mark of an injected fault
 
 
