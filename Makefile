@@ -19,7 +19,7 @@ UV := uv==0.13.9
 # First the installer, then pyproject.toml's `setup` group (the build backend,
 # used without isolation so at the lock's versions, and torch==2.13.0: the CPU
 # build where one is offered), then the package.
-$(STAMP): pyproject.toml setup.py $(LOCK) abi/superfluid.h abi/sf_ring.c abi/sf_codec.c abi/_build.py kernels/sf_cpu.c kernels/sf_attn.c kernels/sf_lanes.h kernels/sf_gemm.c kernels/sf_gemm_wide.c kernels/sf_gemm_dot.c kernels/sf_gemm.h kernels/sf_amx_emu.h kernels/sf_pool.c kernels/sf_mask.c kernels/sf_comm.c kernels/sf_tp.c kernels/sf_cpu.h kernels/sf_internal.h kernels/_build_cpu.py
+$(STAMP): pyproject.toml setup.py $(LOCK) abi/superfluid.h abi/sf_ring.c abi/sf_codec.c abi/_build.py kernels/sf_cpu.c kernels/sf_attn.c kernels/sf_attn512.c kernels/sf_attn.h kernels/sf_lanes.h kernels/sf_gemm.c kernels/sf_gemm_wide.c kernels/sf_gemm_dot.c kernels/sf_gemm.h kernels/sf_amx_emu.h kernels/sf_pool.c kernels/sf_mask.c kernels/sf_comm.c kernels/sf_tp.c kernels/sf_cpu.h kernels/sf_internal.h kernels/_build_cpu.py
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c $(LOCK) pip
 	$(PIP) install -q -c $(LOCK) --group setup

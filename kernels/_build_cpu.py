@@ -1,4 +1,4 @@
-"""cffi build of sf_cpu.c, sf_attn.c, sf_gemm.c, sf_gemm_wide.c and
+"""cffi build of sf_cpu.c, sf_attn.c, sf_attn512.c, sf_gemm.c, sf_gemm_wide.c and
 sf_gemm_dot.c, sf_pool.c, sf_mask.c, sf_comm.c and sf_tp.c into
 superfluid.kernels._cpu (the torch backend's CPU kernels, with their own
 task pool on pthreads; sf_comm.c, the tensor-parallel ranks'
@@ -29,8 +29,8 @@ def make_builder(amx_emulated: bool = False) -> FFI:
     ffi.set_source(
         "superfluid.kernels._cpu",
         '#include "sf_cpu.h"\n',  # with the prototypes: floats must not be promoted to double
-        sources=[os.path.join(rel, f) for f in ("sf_cpu.c", "sf_attn.c", "sf_gemm.c", "sf_gemm_wide.c", "sf_gemm_dot.c",
-                                                "sf_pool.c", "sf_mask.c", "sf_comm.c", "sf_tp.c")],
+        sources=[os.path.join(rel, f) for f in ("sf_cpu.c", "sf_attn.c", "sf_attn512.c", "sf_gemm.c", "sf_gemm_wide.c",
+                                                "sf_gemm_dot.c", "sf_pool.c", "sf_mask.c", "sf_comm.c", "sf_tp.c")],
         include_dirs=[rel],
         # -ffp-contract=off: no a*b+c the source did not write as fma (rounding is the contract).
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-Wall"],

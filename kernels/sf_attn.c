@@ -3,8 +3,7 @@
  * cells, then each (token, KV head) over cells 0..pos of its own sequence,
  * keys in order: scores, max, exp, an ordered 8-lane sum, then a value fma
  * chain over the keys. A row's bits depend only on its own keys. */
-#include "sf_cpu.h"
-#include "sf_internal.h"
+#include "sf_attn.h"
 #include "sf_lanes.h"
 
 #include <stdatomic.h>
@@ -44,52 +43,63 @@ __attribute__((target("avx2,fma"))) static void dot4_avx2(const float *a, const 
 }
 #endif
 
-typedef struct {
-    float *qkv; /* [n, (nh + 2 nkv) hd], q and k rotated in place */
-    long ldqkv;
-    int n, nh, nkv, hd;
-    const int64_t *pos, *cells, *feed_of, *tables;
-    int width; /* columns of tables */
-    const float *cos, *sin; /* [max_len, hd / 2] */
-    const float *qn, *kn; /* per-head RMSNorm weights [hd], or NULL */
-    float eps;
-    void *kp, *vp; /* one layer's pool, heads-major [nkv][cells][hd] */
-    int kv_bf16;
-    long head_stride; /* elements between kv heads */
-    int page;
-    float scale;
-    float *out; /* [n, nh hd] */
-    long ldo;
-} attn_args;
+
+#if SF_X86
+/* norm_rope's multiplies and adds, 8 elements at a time (no fma: the same
+ * roundings as the scalar loop); returns how many of `half` it did. */
+__attribute__((target("avx2,fma"))) static int norm_rope_avx2(float *v, int hd, const float *nw, float inv,
+                                                              const float *c, const float *s) {
+    int i = 0, half = hd / 2;
+    if (nw) {
+        __m256 iv = _mm256_set1_ps(inv);
+        for (; i + 8 <= hd; i += 8)
+            _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(nw + i), _mm256_mul_ps(_mm256_loadu_ps(v + i), iv)));
+        for (; i < hd; i++) v[i] = nw[i] * (v[i] * inv);
+    }
+    for (i = 0; i + 8 <= half; i += 8) {
+        __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + i + half), cv = _mm256_loadu_ps(c + i),
+               sv = _mm256_loadu_ps(s + i);
+        _mm256_storeu_ps(v + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+        _mm256_storeu_ps(v + i + half, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    }
+    return i;
+}
+#endif
 
 static void norm_rope(const attn_args *a, float *v, int64_t p, const float *nw, int isa) {
-    int hd = a->hd, half = hd / 2;
-    if (nw) {
-        float inv = 1.0f / sqrtf(dot(v, v, 0, hd, isa) / (float)hd + a->eps);
-        for (int i = 0; i < hd; i++) v[i] = nw[i] * (v[i] * inv);
-    }
+    int hd = a->hd, half = hd / 2, i = 0;
+    float inv = nw ? 1.0f / sqrtf(dot(v, v, 0, hd, isa) / (float)hd + a->eps) : 0.0f;
     const float *c = a->cos + p * half, *s = a->sin + p * half;
-    for (int i = 0; i < half; i++) {
+#if SF_X86
+    if (isa >= 1) {
+        i = norm_rope_avx2(v, hd, nw, inv, c, s);
+        nw = NULL;
+    }
+#endif
+    if (nw)
+        for (int e = 0; e < hd; e++) v[e] = nw[e] * (v[e] * inv);
+    for (; i < half; i++) {
         float x1 = v[i], x2 = v[i + half];
         v[i] = x1 * c[i] - x2 * s[i];
         v[i + half] = x2 * c[i] + x1 * s[i];
     }
 }
 
-static void store_cell(const attn_args *a, void *pool, int g, int64_t cell, const float *src) {
+static void store_cell(const attn_args *a, void *pool, int g, int64_t cell, const float *src, int isa) {
     long at = g * a->head_stride + cell * a->hd;
     if (a->kv_bf16) {
         uint16_t *d = (uint16_t *)pool + at;
-        for (int i = 0; i < a->hd; i++) d[i] = f32_to_bf16(src[i]);
+        int i = 0;
+#if SF_X86
+        if (isa >= 1) i = to_bf16_avx2(src, d, a->hd);
+#endif
+        (void)isa;
+        for (; i < a->hd; i++) d[i] = f32_to_bf16(src[i]);
     } else {
         memcpy((float *)pool + at, src, sizeof(float) * a->hd);
     }
 }
 
-static inline const void *cell_ptr(const attn_args *a, const void *pool, int g, int64_t cell) {
-    long at = g * a->head_stride + cell * a->hd;
-    return a->kv_bf16 ? (const void *)((const uint16_t *)pool + at) : (const void *)((const float *)pool + at);
-}
 
 
 #if SF_X86
@@ -174,6 +184,7 @@ static float *scores_buf(long n) {
 typedef struct {
     attn_args a;
     int isa, chunk; /* tokens per phase-2 task */
+    int block_t; /* tokens a block of sf_attend512, 0: the path per query */
     _Atomic int failed;
 } attn_job;
 
@@ -194,8 +205,8 @@ static void store_token(const attn_job *j, long t) {
     for (int h = 0; h < a->nh; h++) norm_rope(a, q + (long)h * hd, a->pos[t], a->qn, j->isa);
     for (int g = 0; g < a->nkv; g++) {
         norm_rope(a, k + (long)g * hd, a->pos[t], a->kn, j->isa);
-        store_cell(a, a->kp, g, a->cells[t], k + (long)g * hd);
-        store_cell(a, a->vp, g, a->cells[t], v + (long)g * hd);
+        store_cell(a, a->kp, g, a->cells[t], k + (long)g * hd, j->isa);
+        store_cell(a, a->vp, g, a->cells[t], v + (long)g * hd, j->isa);
     }
 }
 
@@ -204,10 +215,23 @@ static void attend(attn_job *j, int t, int g);
 /* Phase 2, (a chunk of tokens, a kv head): their query heads over cells 0..pos. */
 static void attn_task(const void *ctx, long task) {
     attn_job *j = (attn_job *)ctx;
-    long chunks = (j->a.n + j->chunk - 1) / j->chunk;
+    const attn_args *a = &j->a;
+    long chunks = (a->n + j->chunk - 1) / j->chunk, t = (task % chunks) * j->chunk;
+    long end = t + j->chunk < a->n ? t + j->chunk : a->n;
     int g = (int)(task / chunks);
-    for (long t = (task % chunks) * j->chunk; t < j->a.n && t < (task % chunks + 1) * j->chunk; t++)
-        attend(j, (int)t, g);
+    if (j->block_t) { /* the AVX-512 path: blocks of tokens of one feed x query heads */
+        int g_per = a->nh / a->nkv, hb = g_per < ATTN_QMAX ? g_per : ATTN_QMAX;
+        while (t < end) {
+            int nt = 1;
+            while (nt < j->block_t && t + nt < end && a->feed_of[t + nt] == a->feed_of[t]) nt++;
+            for (int h = g * g_per; h < (g + 1) * g_per; h += hb)
+                if (sf_attend512(a, (int)t, nt, g, h, (g + 1) * g_per - h < hb ? (g + 1) * g_per - h : hb))
+                    atomic_store(&j->failed, 1);
+            t += nt;
+        }
+        return;
+    }
+    for (; t < end; t++) attend(j, (int)t, g);
 }
 
 static void attend(attn_job *j, int t, int g) {
@@ -268,11 +292,16 @@ int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const i
     if (n <= 0) return 0;
     attn_job j = {{qkv, ldqkv, n, nh, nkv, hd, pos, cells, feed_of, tables, width, cos, sin, qn, kn, eps, kp, vp,
                    kv_bf16, head_stride, page, scale, out, ldo},
-                  sf_cpu_isa(), 1, 0};
+                  sf_cpu_isa(), 1, 0, 0};
     double keys = 0;
     for (int t = 0; t < n; t++) keys += (double)pos[t] + 1;
     double work = keys / n * hd * (nh / nkv); /* per (token, kv head) */
     j.chunk = work >= 16384 ? 1 : (int)(16384 / work);
+    if (j.isa >= SF_ISA_AVX512 && hd % 8 == 0) {
+        int g_per = nh / nkv;
+        j.block_t = g_per >= ATTN_QMAX ? 1 : ATTN_QMAX / g_per;
+        j.chunk = (j.chunk + j.block_t - 1) / j.block_t * j.block_t; /* whole blocks a task */
+    }
     if (j.chunk > n) j.chunk = n;
     sf_parallel(attn_store_task, &j, (n + STORE_CHUNK - 1) / STORE_CHUNK, nthreads);
     sf_parallel(attn_task, &j, (long)((n + j.chunk - 1) / j.chunk) * nkv, nthreads);

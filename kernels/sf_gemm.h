@@ -17,7 +17,6 @@
 #define TILE_W 12 /* tokens per AVX-512 tile */
 #define BLOCK_K2 (BLOCK_K / 2) /* reduction pairs per cache block */
 #define GROUP 4 /* panels whose accumulators a dot task keeps at once */
-#define T512 "avx512f,avx512dq,avx512bw,avx512vl"
 #define TASK_BYTES (48L << 10) /* weight bytes a memory-bound task streams, at least */
 #define STREAM_FLOATS (2L << 20) /* outputs from which a GEMM's plain stores bypass the caches (8 MiB) */
 

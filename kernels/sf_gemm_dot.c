@@ -306,23 +306,6 @@ int sf_amx_verify(void) {
 #endif
 }
 
-#if SF_X86
-/* f32_to_bf16 of 8 floats at a time, in integer ops: the same bits. */
-__attribute__((target("avx2,fma"))) static int to_bf16_avx2(const float *x, uint16_t *d, int k) {
-    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000),
-                  half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), quiet = _mm256_set1_epi32(0x40);
-    int i = 0;
-    for (; i + 8 <= k; i += 8) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)(x + i));
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
-        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, half), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
-        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet), nan);
-        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* 8 halves, in order */
-        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
-    }
-    return i;
-}
-#endif
 
 /* x's rows as bf16 pairs (as uint16: x's elements in order, a zero after an
  * odd K), a task a (part, row block). */

@@ -13,6 +13,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SF_X86 1
+/* the AVX-512 paths' target: what SF_ISA_AVX512 requires of the CPU */
+#define T512 "avx512f,avx512dq,avx512bw,avx512vl"
 #else
 #define SF_X86 0
 #endif
@@ -126,6 +128,25 @@ __attribute__((target("avx2,fma"))) static inline float tree8_avx2(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l + (l+4) */
     __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                  /* l + (l+2) */
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+#if SF_X86
+/* f32_to_bf16 of x[0..k) 8 at a time, in integer ops (the same bits); returns
+ * how many it did (k rounded down to 8). */
+__attribute__((target("avx2,fma"))) static inline int to_bf16_avx2(const float *x, uint16_t *d, int k) {
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000),
+                  half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), quiet = _mm256_set1_epi32(0x40);
+    int i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(x + i));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, half), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+        r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet), nan);
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* 8 halves, in order */
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
+    }
+    return i;
 }
 #endif
 
