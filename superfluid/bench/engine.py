@@ -5,8 +5,9 @@ seed; nothing is downloaded), at each batch size (--batches, default 1 8
 32 64): B prompts of P tokens prefilled in one step (which samples each
 lane's first token), then G-1 greedy decode steps with engine sampling —
 against HF transformers on the same weights and batch in the same process:
-a forward over the prompts (prefill) and `generate` (its decode time is
-generate(G) less generate(1)). The invariance tax is the small model's
+a forward over the prompts with the last position's logits, as generate's
+prefill (prefill), and `generate` (its decode time is generate(G) less
+generate(1)). The invariance tax is the small model's
 decode run again with batch invariance off (plain GEMMs, plain softmax).
 
 Mamba2 rows (bench/engine_mamba2.py, CPU, fp32, under "mamba2"): the same
