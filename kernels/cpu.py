@@ -73,6 +73,15 @@ def park() -> None:
         lib.sf_pool_park()
 
 
+def pass_bytes(n: int | None) -> None:
+    """The activation bytes one pass of the one-call stack's layers may keep
+    (None: the default, 8 MiB): a big prefill goes through the layers in
+    passes of tokens that fit the cache, with the same bits. Tests set a
+    small budget to run many passes."""
+    if lib is not None:
+        lib.sf_cpu_pass_bytes(n or 0)
+
+
 def own_threads(n: int | None = None) -> tuple[int, int | None]:
     """The thread layout of a process that serves from these kernels: they
     run on `n` threads (default: torch's count now), torch's own ops on one.

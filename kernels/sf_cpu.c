@@ -26,6 +26,7 @@
 #include "sf_internal.h"
 #include "sf_lanes.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 
 /* ------------------------------------------------------------ RMSNorm */
@@ -170,13 +171,43 @@ int sf_layer_mlp(const sf_model *m, const sf_layer *L, const float *x, int n, fl
     return 0;
 }
 
+/* A big step's tokens go through the layers in passes whose activations
+ * (gate_up's outputs, SwiGLU's, q/k/v, the residual: PASS_BYTES) stay in
+ * the last-level cache; one 4096-token pass sent gate_up's 50 MB to DRAM
+ * and back. Rows are batch-invariant, so a pass changes no bit; only where
+ * each feed's tokens come in order of position (every key a token reads
+ * from this step is then written by its pass or an earlier one), and of at
+ * least the fold's tokens (o's and down's pieces stay folded in cache). */
+#define PASS_BYTES (8L << 20)
+static _Atomic long g_pass_bytes; /* 0: PASS_BYTES (sf_cpu_pass_bytes) */
+
+void sf_cpu_pass_bytes(long bytes) { atomic_store(&g_pass_bytes, bytes > 0 ? bytes : 0); }
+
+static int pass_tokens(const sf_model *m, int n, const int64_t *pos, const int64_t *feed_of, int nthreads) {
+    long budget = atomic_load(&g_pass_bytes), per = 4L * (3L * m->inter + (long)(m->nh + 2 * m->nkv) * m->hd +
+                                                          2L * m->hidden);
+    long ch = (budget ? budget : PASS_BYTES) / per, least = budget ? 1 : sf_fold_tokens(nthreads);
+    if (ch < least) ch = least;
+    if (n < 2 * ch) return n;
+    for (int t = 1; t < n; t++)
+        if (feed_of[t] < feed_of[t - 1] || (feed_of[t] == feed_of[t - 1] && pos[t] <= pos[t - 1])) return n;
+    long passes = n / ch;
+    return (int)((n + passes - 1) / passes); /* even passes, none under ch */
+}
+
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads) {
-    for (int l = 0; l < m->n_layers; l++) {
-        const sf_layer *L = &m->layers[l];
-        SF_TRY(sf_layer_attn(m, L, x, n, pos, cells, feed_of, tables, width, h, qkv, att, parts, x, nthreads));
-        SF_TRY(sf_layer_mlp(m, L, x, n, h, gu, act, parts, x, nthreads));
+    int ch = pass_tokens(m, n, pos, feed_of, nthreads);
+    for (int t0 = 0; t0 < n; t0 += ch) {
+        int tn = n - t0 < ch ? n - t0 : ch;
+        float *xc = x + (long)t0 * m->hidden;
+        for (int l = 0; l < m->n_layers; l++) {
+            const sf_layer *L = &m->layers[l];
+            SF_TRY(sf_layer_attn(m, L, xc, tn, pos + t0, cells + t0, feed_of + t0, tables, width, h, qkv, att, parts,
+                                 xc, nthreads));
+            SF_TRY(sf_layer_mlp(m, L, xc, tn, h, gu, act, parts, xc, nthreads));
+        }
     }
     return 0;
 }

@@ -54,6 +54,9 @@ int sf_cpu_isa(void);
 int sf_cpu_isa_max(void);
 unsigned sf_cpu_features(void);
 void sf_cpu_force_isa(int isa);
+/* The activation bytes a pass of sf_forward's layers may keep (0: the
+ * default, 8 MiB); tests set a small one to run many passes. */
+void sf_cpu_pass_bytes(long bytes);
 /* The pool's helpers sleep now rather than spin for a next job (sf_pool.c). */
 void sf_pool_park(void);
 /* wtype: how w is packed, 0 float32, 1 bf16, 2 and 3 bf16 in pairs (the

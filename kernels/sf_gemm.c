@@ -135,6 +135,7 @@ static int run_linear(linear_job *j, int nthreads) {
     j->a.ps = parts * j->wpart;
     j->a.stream = !j->a.resid && !j->a.bias && !j->fold_y && (long)j->a.n * j->a.out >= STREAM_FLOATS;
     if (j->a.stream && j->isa >= SF_ISA_AVX512) j->a.stream = 2;
+    j->a.wide = j->isa >= SF_ISA_AVX512;
     j->blocks = (j->a.n + BLOCK_T - 1) / BLOCK_T;
     j->per = PANELS_PER_TASK;
     j->all_parts = j->a.n <= SMALL_N || j->fold_y; /* (a fold: a task's pieces in order) */
@@ -189,11 +190,13 @@ int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const voi
  * while its rows are still cached; the last adds the sum (+ bias) into y
  * (a prefill's o and down wrote their g planes and read them back). Fewer
  * tokens: the pieces' tasks spread over the threads, then sf_combine. */
+int sf_fold_tokens(int nthreads) { return 2 * BLOCK_T * nthreads; }
+
 int sf_linear_parts_add(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out,
                         float *scratch, const float *bias, float *y, long ldy, int nthreads) {
     if (n <= 0 || out <= 0) return 0;
     if (K <= 0 || parts < 1 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
-    if (n < 2L * BLOCK_T * nthreads) {
+    if (n < sf_fold_tokens(nthreads)) {
         int rc = sf_linear_parts(x, ldx, n, K, parts, w, wtype, out, scratch, nthreads);
         return rc ? rc : sf_combine(scratch, parts, n, out, bias, y, ldy, nthreads);
     }

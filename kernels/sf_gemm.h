@@ -44,6 +44,7 @@ typedef struct {
     int resid;
     long ps; /* weight elements from one panel to the next */
     int stream; /* an output too big to stay cached: written with non-temporal stores (2: 64 bytes a store) */
+    int wide; /* the epilogue's whole panels in 64-byte vectors (an AVX-512 path) */
     float *fy; /* the last piece of a fold (sf_linear_parts_add): fy += (y + acc) (+ fbias) */
     long fldy;
     const float *fbias;
@@ -101,8 +102,10 @@ static inline const void *panel_at(const gemm_args *a, int p, long k0) {
     return a->wtype == WT_F32 ? (const void *)((const float *)a->w + at) : (const void *)((const uint16_t *)a->w + at);
 }
 
-/* sf_gemm_wide.c: nt rows of a panel with 64-byte non-temporal stores. */
+/* sf_gemm_wide.c: nt rows of a panel with 64-byte non-temporal stores;
+ * the epilogue of a whole panel in 64-byte vectors. */
 void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt);
+void epilogue_panel512(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0);
 
 /* acc [nt][lda] of panel o0 / PANEL's outputs: + bias, + residual, into y
  * (v = acc + bias, then y + v: the branches outside the loops, which the
@@ -111,6 +114,12 @@ void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt);
 static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
     int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
     const float *b = a->bias ? a->bias + o0 : NULL;
+#if SF_X86
+    if (a->wide && m == PANEL && !a->stream) {
+        epilogue_panel512(a, acc, lda, t0, nt, o0);
+        return;
+    }
+#endif
     if (a->fy) { /* a fold's last piece */
         const float *fb = a->fbias ? a->fbias + o0 : NULL;
         for (int t = 0; t < nt; t++) {

@@ -136,6 +136,32 @@ void linear_task_avx512(const void *ctx, long task) {
 /* An epilogue's rows (a plain copy of nt rows of a panel) with 64-byte
  * non-temporal stores: each fills a write-combining line at once; y and
  * ldy * 4 are multiples of 64 (epilogue checked). */
+/* epilogue() for a whole panel, its operations in its order (elementwise:
+ * the same bits at any width), 16 outputs a vector: a prefill's epilogues
+ * were 4-wide loops behind a branch per row. */
+__attribute__((target(T512))) void epilogue_panel512(const gemm_args *a, const float *acc, int lda, int t0, int nt,
+                                                     int o0) {
+    if (a->fy) { /* a fold's last piece: f + ((y + c) + fb) */
+        __m512 fb = a->fbias ? _mm512_loadu_ps(a->fbias + o0) : _mm512_setzero_ps();
+        for (int t = 0; t < nt; t++) {
+            float *f = a->fy + (long)(t0 + t) * a->fldy + o0;
+            __m512 s = _mm512_loadu_ps(acc + t * lda);
+            if (a->resid) s = _mm512_add_ps(_mm512_loadu_ps(a->y + (long)(t0 + t) * a->ldy + o0), s);
+            if (a->fbias) s = _mm512_add_ps(s, fb);
+            _mm512_storeu_ps(f, _mm512_add_ps(_mm512_loadu_ps(f), s));
+        }
+        return;
+    }
+    __m512 b = a->bias ? _mm512_loadu_ps(a->bias + o0) : _mm512_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        float *y = a->y + (long)(t0 + t) * a->ldy + o0;
+        __m512 c = _mm512_loadu_ps(acc + t * lda);
+        if (a->bias) c = _mm512_add_ps(c, b);
+        if (a->resid) c = _mm512_add_ps(_mm512_loadu_ps(y), c);
+        _mm512_storeu_ps(y, c);
+    }
+}
+
 __attribute__((target(T512))) void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt) {
     for (int t = 0; t < nt; t++) _mm512_stream_ps(y + t * ldy, _mm512_loadu_ps(acc + t * lda));
     _mm_sfence();

@@ -27,6 +27,9 @@ int sf_amx_verify(void);
 /* Whether vdpbf16ps gives the bf16-dot class's bits here (sf_gemm_dot.c). */
 int sf_dp_verify(void);
 
+/* Tokens from which sf_linear_parts_add folds its pieces in cache (sf_gemm.c). */
+int sf_fold_tokens(int nthreads);
+
 /* A layer's halves up to their row-parallel pieces, or added into add_to (sf_cpu.c). */
 int sf_layer_attn(const sf_model *m, const sf_layer *L, const float *x, int n, const int64_t *pos,
                   const int64_t *cells, const int64_t *feed_of, const int64_t *tables, int width, float *h,

@@ -73,6 +73,33 @@ def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_bias_and_residual_forms_give_the_same_bits_on_every_path(dtype):
+    # the epilogue: whole panels in 64-byte vectors on the AVX-512 paths, 4- and 1-wide elsewhere
+    torch.manual_seed(6)
+    w, b = torch.randn(1100, 96).to(dtype), torch.randn(1100)  # a tail panel of 12
+    x, base = torch.randn(37, 96), torch.randn(37, 1100)
+    p, pb = cpu.pack(w), cpu.pack(w, b)
+    if p.numeric_class == "bf16-amx":
+        pytest.skip("the bf16-amx class runs on its path only")
+
+    def forms():
+        y, yb = base.clone(), base.clone()
+        cpu.linear(x, p, out=y, residual=True)
+        cpu.linear(x, pb, out=yb, residual=True)
+        return cpu.linear(x, pb), y, yb
+
+    want = scalar(forms)
+    for level in range(cpu.ISA_LEVELS.get(cpu.best_isa(), 0) + 1):
+        cpu.force_isa(level)
+        try:
+            got = forms()
+        finally:
+            cpu.force_isa(None)
+        assert all(torch.equal(g, w_) for g, w_ in zip(got, want)), cpu.ISA_NAMES[level]
+    assert not torch.equal(want[1], want[2])  # the bias reached the residual form
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out", [2000, 1990])  # rows of 64-byte lines; rows 16-byte aligned every other, a tail panel
 def test_an_output_past_the_caches_is_written_around_them_with_the_same_bits(dtype, out):
     """From 2M floats (STREAM_FLOATS) a GEMM's plain stores bypass the
@@ -281,6 +308,37 @@ def test_the_stack_in_one_call_is_bitwise_the_layer_by_layer_path(tmp_path, arch
     got, want = rows(True), rows(False)
     assert len(got) == len(want) == 6
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_big_step_in_passes_of_the_layers_is_bitwise_one_pass(tmp_path, dtype, threads):
+    # sf_forward takes a big step's tokens through the layers in passes that fit the cache
+    from superfluid.engine import Feed, load
+    from superfluid.engine.tiny import write_tiny
+
+    threads(2)
+    write_tiny(tmp_path, arch="qwen3", seed=4, tokenizer=False)
+
+    def rows(budget: int | None, one_call: bool = True):
+        cpu.pass_bytes(budget)
+        try:
+            rt = load(tmp_path, "torch", kv_cells=2048, dtype=dtype)
+            if not one_call:
+                rt.model.stack = None
+            a, b, c, d = (rt.seq_create() for _ in range(4))
+            out = rt.step_rows([Feed(a, list(range(1, 200))), Feed(b, [7, 8, 9]),
+                                Feed(c, [(5 * i) % 290 + 1 for i in range(300)])])
+            out += rt.step_rows([Feed(d, [(3 * i) % 250 + 2 for i in range(150)]), Feed(a, [4, 5, 6, 7]),
+                                 Feed(b, [(11 * i) % 200 + 1 for i in range(260)])])
+            return out
+        finally:
+            cpu.pass_bytes(None)
+
+    layered = rows(None, one_call=False)
+    # 1 byte: passes of one token each; ~60 tokens; the default (at 2 threads: passes of >= 384 tokens)
+    for budget in (1, 100_000, None):
+        got = rows(budget)
+        assert len(got) == len(layered) == 6 and all(np.array_equal(g, w) for g, w in zip(got, layered)), budget
 
 
 def test_bad_shapes_and_layouts_are_refused_before_the_c_side():
