@@ -25,8 +25,8 @@ import subprocess
 import sys
 import time
 
-from superfluid.daemon.supervisor import restart_delay
 from superfluid.daemon.worker_exits import describe_exit, die_with_parent
+from superfluid.daemon.worker_life import restart_delay
 
 log = logging.getLogger("superfluid.daemon")
 

@@ -34,7 +34,7 @@ STOP_GRACE_S = 2.0  # a cleanly stopped leader's followers exit on its word with
 class Rank:
     """One follower process (what the event loop's pidfd for it carries)."""
 
-    worker: Any  # the supervisor's _Worker whose group it belongs to
+    worker: Any  # the supervisor's WorkerSlot whose group it belongs to
     rank: int
     epoch: int
     proc: subprocess.Popen[bytes]

@@ -22,9 +22,10 @@ from superfluid.abi import MsgKind, WorkerState, codec
 from superfluid.cli import main as cli_main
 from superfluid.client import PlanBuilder
 from superfluid.daemon.serve import parse_crash_loop, runtime_argv
-from superfluid.daemon.supervisor import Daemon, restart_delay, segment_config_for
+from superfluid.daemon.supervisor import Daemon, segment_config_for
 from superfluid.daemon.worker import add_runtime_args
 from superfluid.daemon.worker_exits import describe_exit
+from superfluid.daemon.worker_life import restart_delay
 from superfluid.rings.errors import SegmentError
 from superfluid.rings.layout import SegmentConfig
 from superfluid.rings.segment import Segment
