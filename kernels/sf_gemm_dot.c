@@ -318,7 +318,8 @@ static void pairs_task(const void *ctx, long task) {
         uint16_t *d = (uint16_t *)(j->xb + (part * n + t) * (long)K2);
         int i = 0;
 #if SF_X86
-        if (j->isa >= SF_ISA_AVX2) i = to_bf16_avx2(xr, d, K);
+        if (j->isa >= SF_ISA_AVX512) i = to_bf16_512(xr, d, K);
+        else if (j->isa >= SF_ISA_AVX2) i = to_bf16_avx2(xr, d, K);
 #endif
         for (; i < K; i++) d[i] = f32_to_bf16(xr[i]);
         if (K % 2) d[K] = 0;

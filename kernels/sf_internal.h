@@ -118,6 +118,27 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp_avx2(__m256 x) {
 }
 #endif
 
+#if SF_X86
+/* exp_avx2, 16 lanes: the same operations (min and roundscale as min_ps and
+ * round_ps), so the same bits. */
+__attribute__((always_inline, target(T512))) static inline __m512 exp512(__m512 x) {
+    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_GE_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EP0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EP1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EP2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EP3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EP4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EP5));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i b = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(b)));
+}
+#endif
+
 /* ------------------------------------------------------- lane reductions */
 
 /* Lanes l, l+4 then l, l+2 then 0, 1: the tree both paths use. */
@@ -150,6 +171,24 @@ __attribute__((target("avx2,fma"))) static inline int to_bf16_avx2(const float *
         _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
     }
     return i;
+}
+#endif
+
+#if SF_X86
+/* to_bf16_avx2, 16 at a time. */
+__attribute__((target(T512))) static inline int to_bf16_512(const float *x, uint16_t *d, int k) {
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000),
+                  half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
+    int i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512i u = _mm512_loadu_si512((const void *)(x + i));
+        __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+        r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), quiet));
+        _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtepi32_epi16(r));
+    }
+    return i + to_bf16_avx2(x + i, d + i, k - i);
 }
 #endif
 

@@ -173,6 +173,24 @@ def test_rmsnorm_and_silu_mul_match_torch_and_the_scalar_path():
     assert torch.equal(cpu.silu_mul(gu[4:5])[0], got[4])
 
 
+def test_silu_mul_gives_the_scalar_paths_bits_on_every_path_at_the_edges():
+    # elementwise exp and divide, 16, 8 and 1 lanes at a time: the same operations on every path
+    torch.manual_seed(8)
+    edges = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 88.5, -88.5,
+                          87.2, -87.4, 100.0, -100.0, 3e38, -3e38, 1.0, -1.0])
+    g = torch.cat([edges, torch.randn(203 - len(edges)) * 30])
+    gu = torch.stack([torch.cat([g[torch.randperm(203)], torch.randn(203) * 4]) for _ in range(5)])
+    gu[1, 203:210] = torch.tensor([float("inf"), 0.0, -0.0, float("nan"), 1e-40, -3e38, 2.0])
+    want = scalar(lambda: cpu.silu_mul(gu)).view(torch.int32)
+    for level in range(cpu.ISA_LEVELS.get(cpu.best_isa(), 0) + 1):
+        cpu.force_isa(level)
+        try:
+            got = cpu.silu_mul(gu).view(torch.int32)
+        finally:
+            cpu.force_isa(None)
+        assert torch.equal(got, want), cpu.ISA_NAMES[level]
+
+
 def test_embed_widens_bf16_rows_exactly():
     table = torch.randn(50, 24).to(torch.bfloat16)
     ids = torch.tensor([3, 0, 49, 3])
