@@ -121,7 +121,7 @@ class Model:
                 w, b = getattr(layer, name), getattr(layer, name + "_bias")
                 # o and down reduce in fixed pieces at every TP degree (engine/parallel/sharding.py).
                 setattr(layer, name, cpu.pack_parts(w, self.parts, b, numeric=cls) if name in _ROW_PARALLEL
-                        else cpu.pack(w, b, numeric=cls))
+                        else cpu.pack_gate_up(w, b, numeric=cls) if name == "gate_up" else cpu.pack(w, b, numeric=cls))
                 setattr(layer, name + "_bias", None)
             for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
                 t = getattr(layer, name)
@@ -221,4 +221,4 @@ class Model:
                               q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps, scale=self.scale)
             cpu.combine(cpu.linear_parts(a, layer.o), x, layer.o.bias)
             h = cpu.rmsnorm(x, layer.mlp_norm, eps)
-            cpu.combine(cpu.linear_parts(cpu.silu_mul(cpu.linear(h, layer.gate_up)), layer.down), x, layer.down.bias)
+            cpu.combine(cpu.linear_parts(cpu.linear_swiglu(h, layer.gate_up), layer.down), x, layer.down.bias)

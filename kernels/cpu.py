@@ -9,10 +9,9 @@ stay float32 whatever the weights' dtype (float32 or bfloat16).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from superfluid.kernels.cpu_pack import PANEL, Packed, pack, pack_gate_up, pack_parts  # noqa: F401 (cpu.*)
 from superfluid.kernels.cpu_step import StepLayout, step_layout  # noqa: F401 (callers know them as cpu.*)
 from superfluid.kernels.isa import (  # the path and class API, re-exported: callers know it as cpu.*
     BF16_CLASSES as BF16_CLASSES,
@@ -22,7 +21,6 @@ from superfluid.kernels.isa import (  # the path and class API, re-exported: cal
     ISA_ENV as ISA_ENV,
     ISA_LEVELS as ISA_LEVELS,
     ISA_NAMES as ISA_NAMES,
-    WTYPES,
     best_isa as best_isa,
     bf16_class as bf16_class,
     check_env as check_env,
@@ -39,8 +37,6 @@ try:
     from superfluid.kernels._cpu import ffi, lib
 except ImportError:  # pragma: no cover - a build without the extension
     ffi = lib = None
-
-PANEL = 16
 
 
 def available() -> bool:
@@ -157,84 +153,14 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (rc {rc}): out of memory or bad arguments")
 
 
-@dataclasses.dataclass
-class Packed:
-    """A linear layer's weight [out, in] packed for sf_linear, and its bias."""
-
-    w: torch.Tensor  # [panels * parts, in / parts, PANEL] (pairs: [.., in / parts / 2, PANEL, 2]), float32 or bf16
-    out: int
-    inp: int
-    bias: torch.Tensor | None  # float32 [out]
-    parts: int = 1  # pieces the reduction is split into (pack_parts)
-    wtype: int = 0  # sf_linear's: 0 float32, 1 bf16, 2 and 3 bf16 in pairs (the bf16-dot, bf16-amx classes)
-
-    @property
-    def numeric_class(self) -> str:
-        return ("fp32", "bf16-fma", "bf16-dot", "bf16-amx")[self.wtype]
-
-    @property
-    def nbytes(self) -> int:
-        b = 0 if self.bias is None else self.bias.numel() * 4
-        return self.w.numel() * self.w.element_size() + b
-
-
-def _pack_w(w: torch.Tensor, pairs: bool) -> torch.Tensor:
-    out, inp = w.shape
-    pad = (-out) % PANEL
-    wp = torch.cat([w, w.new_zeros(pad, inp)]) if pad else w
-    if not pairs:  # [panels, in, PANEL]
-        return wp.reshape(-1, PANEL, inp).transpose(1, 2).contiguous()
-    if inp % 2:  # a zero step: x's pad is zero too
-        wp = torch.cat([wp, wp.new_zeros(wp.shape[0], 1)], 1)
-    # [panels, in / 2, PANEL, 2]: steps 2i and 2i+1 of an output side by side
-    return wp.reshape(-1, PANEL, wp.shape[1] // 2, 2).transpose(1, 2).contiguous()
-
-
-def _wtype(w: torch.Tensor, numeric: str | None) -> int:
-    if w.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"pack: weights must be float32 or bfloat16, not {w.dtype}")
-    if w.dtype == torch.float32:
-        return 0
-    cls = numeric or bf16_class()
-    if cls not in BF16_CLASSES:
-        raise ValueError(f"pack: unknown bf16 numeric class {cls!r}")
-    if cls == "bf16-amx" and lib.sf_cpu_isa() < ISA_LEVELS["amx-bf16"]:
-        raise ValueError(f"pack: the bf16-amx class runs only on the amx-bf16 path; this process runs {isa()!r}")
-    return WTYPES[cls]
-
-
-def pack(w: torch.Tensor, bias: torch.Tensor | None = None, *, numeric: str | None = None) -> Packed:
-    """w [out, in] packed for sf_linear; bf16 weights in `numeric`'s layout
-    (default: this process's bf16_class())."""
-    wtype = _wtype(w, numeric)
-    out, inp = w.shape
-    return Packed(_pack_w(w, wtype >= 2), out, inp, None if bias is None else bias.float().contiguous(), 1, wtype)
-
-
-def pack_parts(w: torch.Tensor, parts: int, bias: torch.Tensor | None = None, *,
-               numeric: str | None = None) -> Packed:
-    """A weight [out, in] whose reduction runs as `parts` pieces of in / parts
-    inputs (linear_parts, then combine): each piece packed as `pack` does,
-    a panel's pieces side by side."""
-    wtype = _wtype(w, numeric)
-    out, inp = w.shape
-    if parts < 1 or inp % parts:
-        raise ValueError(f"pack_parts: {inp} inputs do not split into {parts} pieces")
-    step = inp // parts
-    pieces = [_pack_w(w[:, i * step:(i + 1) * step].contiguous(), wtype >= 2) for i in range(parts)]
-    # each panel's pieces one after another ([panel][piece][...]): a decode step reads a panel's
-    # whole reduction as one stream
-    packed = torch.stack(pieces, 1)
-    return Packed(packed.reshape(-1, *packed.shape[2:]).contiguous(), out, inp,
-                  None if bias is None else bias.float().contiguous(), parts, wtype)
-
-
 @_profiled
 def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
     """x [n, in] float32 -> [n, out] float32 (y = x W.T + b). With residual,
     `out` holds x' and gets x' + (x W.T + b), rounded as torch would."""
     if p.parts != 1:
         raise ValueError("linear: a weight packed in pieces goes through linear_parts and combine")
+    if p.swiglu:
+        raise ValueError("linear: a gate_up packed in (gate, up) pairs goes through linear_swiglu")
     x = _rows(x, p.inp, "linear: x")
     n = x.shape[0]
     if out is None:
@@ -310,6 +236,21 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     n, inter = gu.shape[0], gu.shape[1] // 2
     out = gu.new_empty((n, inter))
     _check(lib.sf_silu_mul(_f(gu), gu.stride(0), n, inter, _f(out), inter, _threads()), "sf_silu_mul")
+    return out
+
+
+@_profiled
+def linear_swiglu(x: torch.Tensor, p: Packed) -> torch.Tensor:
+    """silu(gate) * up of x's gate_up projection (p from pack_gate_up) ->
+    [n, inter]: in one call where p is paired, else linear then silu_mul;
+    the same bits either way."""
+    if not p.swiglu:
+        return silu_mul(linear(x, p))
+    x = _rows(x, p.inp, "linear_swiglu: x")
+    n, inter = x.shape[0], p.out // 2
+    out = x.new_empty((n, inter))
+    _check(lib.sf_linear_swiglu(_f(x), x.stride(0), n, p.inp, _v(p.w), p.wtype, inter, _f(p.bias), _f(out), inter,
+                                _threads()), "sf_linear_swiglu")
     return out
 
 

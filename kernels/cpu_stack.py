@@ -85,6 +85,7 @@ class Stack:
                 t = getattr(L, name)
                 setattr(c, name, _f(t))
                 self._keep.append(t)
+            c.swiglu = int(L.gate_up.swiglu)
         parts = {(L.o.parts, L.down.parts) for L in layers}
         if len(parts) > 1 or len({p for pair in parts for p in pair}) > 1:
             raise ValueError("Stack: every row-parallel layer must be packed in the same number of pieces")

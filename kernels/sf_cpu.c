@@ -104,22 +104,26 @@ typedef struct {
     float *out;
 } silu_job;
 
+void sf_silu_mul_row(const float *g, const float *u, float *o, int n, int isa) {
+#if SF_X86
+    if (isa >= SF_ISA_AVX512) {
+        silu_mul_row512(g, u, o, n);
+        return;
+    }
+    if (isa >= 1) {
+        silu_mul_row_avx2(g, u, o, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int i = 0; i < n; i++) o[i] = (g[i] / (1.0f + exp_scalar(0.0f - g[i]))) * u[i];
+}
+
 static void silu_task(const void *ctx, long task) {
     const silu_job *j = (const silu_job *)ctx;
     for (long t = task * j->rows; t < j->n && t < (task + 1) * j->rows; t++) {
-        const float *g = j->gu + t * j->ldg, *u = g + j->inter;
-        float *o = j->out + t * j->ldo;
-#if SF_X86
-        if (j->isa >= SF_ISA_AVX512) {
-            silu_mul_row512(g, u, o, j->inter);
-            continue;
-        }
-        if (j->isa >= 1) {
-            silu_mul_row_avx2(g, u, o, j->inter);
-            continue;
-        }
-#endif
-        for (int i = 0; i < j->inter; i++) o[i] = (g[i] / (1.0f + exp_scalar(0.0f - g[i]))) * u[i];
+        const float *g = j->gu + t * j->ldg;
+        sf_silu_mul_row(g, g + j->inter, j->out + t * j->ldo, j->inter, j->isa);
     }
 }
 
@@ -179,8 +183,13 @@ int sf_layer_mlp(const sf_model *m, const sf_layer *L, const float *x, int n, fl
                  float *parts, float *add_to, int nthreads) {
     int H = m->hidden, g = m->parts;
     SF_TRY(sf_rmsnorm(x, H, n, H, L->mlp_norm, m->eps, h, H, nthreads));
-    SF_TRY(sf_linear(h, H, n, H, L->gate_up, m->wtype, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0, nthreads));
-    SF_TRY(sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads));
+    if (L->swiglu) { /* gate_up's panels in (gate, up) pairs: act straight from its epilogue */
+        SF_TRY(sf_linear_swiglu(h, H, n, H, L->gate_up, m->wtype, m->inter, L->gate_up_b, act, m->inter, nthreads));
+    } else {
+        SF_TRY(sf_linear(h, H, n, H, L->gate_up, m->wtype, 2 * m->inter, L->gate_up_b, gu, 2 * m->inter, 0,
+                         nthreads));
+        SF_TRY(sf_silu_mul(gu, 2 * m->inter, n, m->inter, act, m->inter, nthreads));
+    }
     if (add_to)
         SF_TRY(sf_linear_parts_add(act, m->inter, n, m->inter / g, g, L->down, m->wtype, H, parts, L->down_b, add_to,
                                    H, nthreads));

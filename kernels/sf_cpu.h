@@ -13,6 +13,7 @@ typedef struct {
     const float *qkv_b, *o_b, *gate_up_b, *down_b;
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm;
     void *k_pool, *v_pool;
+    int swiglu; /* gate_up packed in (gate, up) panel pairs: sf_linear_swiglu */
 } sf_layer;
 
 /* parts: the pieces o and down reduce over (sf_linear_parts; each panel's
@@ -68,6 +69,12 @@ int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, 
 int sf_linear_parts(const float *x, long ldx, int n, int K, int parts, const void *w, int wtype, int out, float *y,
                     int nthreads);
 int sf_combine(const float *parts, int g, int n, int out, const float *bias, float *y, long ldy, int nthreads);
+/* act [n, inter] = silu(gate) * up of x W.T (+ bias), W's 2 inter outputs
+ * packed in (gate, up) pairs of panels (inter a multiple of 16): the bits of
+ * sf_linear then sf_silu_mul on the unpaired weight, without gate_up's
+ * outputs in memory. */
+int sf_linear_swiglu(const float *x, long ldx, int n, int K, const void *w, int wtype, int inter, const float *bias,
+                     float *act, long ldact, int nthreads);
 /* y += sf_combine of sf_linear_parts's pieces (+ bias): the same bits; a
  * big n folds the pieces in cache instead of writing them (scratch: parts
  * planes [parts][n][out], as sf_linear_parts's y). */

@@ -133,7 +133,7 @@ static int run_linear(linear_job *j, int nthreads) {
     int parts = j->parts;
     j->wpart = panel_elems(j->a.K, j->a.wtype);
     j->a.ps = parts * j->wpart;
-    j->a.stream = !j->a.resid && !j->a.bias && !j->fold_y && (long)j->a.n * j->a.out >= STREAM_FLOATS;
+    j->a.stream = !j->a.resid && !j->a.bias && !j->fold_y && !j->a.swiglu && (long)j->a.n * j->a.out >= STREAM_FLOATS;
     if (j->a.stream && j->isa >= SF_ISA_AVX512) j->a.stream = 2;
     j->a.wide = j->isa >= SF_ISA_AVX512;
     j->blocks = (j->a.n + BLOCK_T - 1) / BLOCK_T;
@@ -166,6 +166,17 @@ int sf_linear(const float *x, long ldx, int n, int K, const void *w, int wtype, 
     if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX) return -1;
     linear_job j = {{x, ldx, n, K, out, w, wtype, bias, y, ldy, resid, 0}, (out + PANEL - 1) / PANEL, 0, 0,
                     sf_cpu_isa(), 0, 1, 0, 0, NULL};
+    return run_linear(&j, nthreads);
+}
+
+int sf_linear_swiglu(const float *x, long ldx, int n, int K, const void *w, int wtype, int inter, const float *bias,
+                     float *act, long ldact, int nthreads) {
+    if (n <= 0 || inter <= 0) return 0;
+    if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX || inter % PANEL) return -1;
+    /* a task's panels start even and come in order (PANELS_PER_TASK is even): a pair's gate before its up */
+    linear_job j = {{x, ldx, n, K, 2 * inter, w, wtype, bias, act, ldact, 0, 0}, 2 * inter / PANEL, 0, 0,
+                    sf_cpu_isa(), 0, 1, 0, 0, NULL};
+    j.a.swiglu = 1 + j.isa;
     return run_linear(&j, nthreads);
 }
 

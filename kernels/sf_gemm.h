@@ -45,6 +45,7 @@ typedef struct {
     long ps; /* weight elements from one panel to the next */
     int stream; /* an output too big to stay cached: written with non-temporal stores (2: 64 bytes a store) */
     int wide; /* the epilogue's whole panels in 64-byte vectors (an AVX-512 path) */
+    int swiglu; /* 1 + the path: panels in (gate, up) pairs, y the SwiGLU's output (sf_linear_swiglu) */
     float *fy; /* the last piece of a fold (sf_linear_parts_add): fy += (y + acc) (+ fbias) */
     long fldy;
     const float *fbias;
@@ -114,6 +115,19 @@ void epilogue_panel512(const gemm_args *a, const float *acc, int lda, int t0, in
 static inline void epilogue(const gemm_args *a, const float *acc, int lda, int t0, int nt, int o0) {
     int m = a->out - o0 < PANEL ? a->out - o0 : PANEL;
     const float *b = a->bias ? a->bias + o0 : NULL;
+    if (a->swiglu) { /* a gate panel's values wait in y; its up panel's (next, same task) make them silu(g) * u */
+        int up = (o0 / PANEL) & 1;
+        for (int t = 0; t < nt; t++) {
+            float *y = a->y + (long)(t0 + t) * a->ldy + o0 / (2 * PANEL) * PANEL, v[PANEL];
+            const float *c = acc + t * lda;
+            for (int i = 0; i < PANEL; i++) v[i] = b ? c[i] + b[i] : c[i];
+            if (up)
+                sf_silu_mul_row(y, v, y, PANEL, a->swiglu - 1);
+            else
+                memcpy(y, v, sizeof v);
+        }
+        return;
+    }
 #if SF_X86
     if (a->wide && m == PANEL && !a->stream) {
         epilogue_panel512(a, acc, lda, t0, nt, o0);

@@ -27,6 +27,9 @@ int sf_amx_verify(void);
 /* Whether vdpbf16ps gives the bf16-dot class's bits here (sf_gemm_dot.c). */
 int sf_dp_verify(void);
 
+/* o[0..n) = silu(g) * u on path `isa`, the same bits on every path; o may be g (sf_cpu.c). */
+void sf_silu_mul_row(const float *g, const float *u, float *o, int n, int isa);
+
 /* Tokens from which sf_linear_parts_add folds its pieces in cache (sf_gemm.c). */
 int sf_fold_tokens(int nthreads);
 

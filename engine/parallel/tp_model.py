@@ -99,7 +99,7 @@ class TpModel:
                 qkv_bias=None, q_norm=f32(a + "q_norm.weight"), k_norm=f32(a + "k_norm.weight"),
                 o=cpu.pack_parts(w[a + "o_proj.weight"], local, w.get(a + "o_proj.bias")), o_bias=None,
                 mlp_norm=w[p + "post_attention_layernorm.weight"].float().contiguous(),
-                gate_up=cpu.pack(gu_w, cat(m + "gate_proj.bias", m + "up_proj.bias")), gate_up_bias=None,
+                gate_up=cpu.pack_gate_up(gu_w, cat(m + "gate_proj.bias", m + "up_proj.bias")), gate_up_bias=None,
                 down=cpu.pack_parts(w[m + "down_proj.weight"], local, w.get(m + "down_proj.bias")), down_bias=None,
             ))
         cos, sin = rope_cos_sin(cfg, self.max_seq_len)
@@ -170,7 +170,7 @@ class TpModel:
                               k_norm=L.k_norm, eps=eps, scale=self.scale)
             self._reduce(cpu.linear_parts(a, L.o), x, L.o.bias)
             h = cpu.rmsnorm(x, L.mlp_norm, eps)
-            self._reduce(cpu.linear_parts(cpu.silu_mul(cpu.linear(h, L.gate_up)), L.down), x, L.down.bias)
+            self._reduce(cpu.linear_parts(cpu.linear_swiglu(h, L.gate_up), L.down), x, L.down.bias)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape] of every rank's t (bf16 moved as int16 bits)."""

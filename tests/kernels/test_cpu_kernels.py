@@ -73,6 +73,47 @@ def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter,inp", [(16, 24), (48, 96), (1536, 512)])
+def test_swiglu_from_the_gemms_epilogue_is_linear_then_silu_mul(dtype, inter, inp, threads):
+    """gate_up packed in (gate, up) panel pairs: linear_swiglu's one call
+    gives the bits of linear then silu_mul on the plain packing, at every
+    token count (the GEMV paths, tile tails, several blocks), thread count
+    and path, with and without a bias."""
+    torch.manual_seed(inter)
+    w, b = torch.randn(2 * inter, inp).to(dtype), torch.randn(2 * inter)
+    x = torch.randn(300, inp) * 2
+    for bias in (None, b):
+        paired, plain = cpu.pack_gate_up(w, bias), cpu.pack(w, bias)
+        assert paired.swiglu and not plain.swiglu
+        if paired.numeric_class == "bf16-amx":
+            levels = [cpu.ISA_LEVELS["amx-bf16"]]
+        else:
+            levels = list(range(cpu.ISA_LEVELS.get(cpu.best_isa(), 0) + 1))
+        want = cpu.silu_mul(cpu.linear(x, plain))
+        for level in levels:
+            cpu.force_isa(level)
+            try:
+                for t in (1, 2, 3):
+                    threads(t)
+                    for n in (1, 2, 4, 5, 13, 97, 300):
+                        got = cpu.linear_swiglu(x[:n], paired)
+                        assert torch.equal(got, want[:n]), (cpu.ISA_NAMES[level], t, n, bias is None)
+            finally:
+                cpu.force_isa(None)
+        assert not torch.equal(want[0], want[1])
+    with pytest.raises(ValueError, match="linear_swiglu"):
+        cpu.linear(x, paired)
+
+
+def test_a_gate_up_whose_halves_are_not_whole_panels_is_packed_plain():
+    w = torch.randn(2 * 40, 32)
+    p = cpu.pack_gate_up(w)
+    assert not p.swiglu
+    x = torch.randn(7, 32)
+    assert torch.equal(cpu.linear_swiglu(x, p), cpu.silu_mul(cpu.linear(x, p)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_bias_and_residual_forms_give_the_same_bits_on_every_path(dtype):
     # the epilogue: whole panels in 64-byte vectors on the AVX-512 paths, 4- and 1-wide elsewhere
     torch.manual_seed(6)
@@ -325,6 +366,29 @@ def test_the_stack_in_one_call_is_bitwise_the_layer_by_layer_path(tmp_path, arch
 
     got, want = rows(True), rows(False)
     assert len(got) == len(want) == 6
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_paired_gate_up_gives_the_plain_gate_ups_rows(tmp_path, dtype, threads, monkeypatch):
+    # a model whose intermediate size is whole panels: the stack's MLP through sf_linear_swiglu
+    from superfluid.engine import Feed, load
+    from superfluid.engine.tiny import write_tiny
+
+    threads(2)
+    write_tiny(tmp_path, arch="qwen2", seed=6, tokenizer=False, intermediate_size=96)
+
+    def rows():
+        rt = load(tmp_path, "torch", kv_cells=1024, dtype=dtype)
+        a, b = rt.seq_create(), rt.seq_create()
+        out = rt.step_rows([Feed(a, list(range(1, 120))), Feed(b, [7, 8, 9])])
+        out += rt.step([Feed(a, [3], True), Feed(b, [4], True)])
+        return out, rt.model.layers[0].gate_up.swiglu
+
+    got, paired = rows()
+    monkeypatch.setattr(cpu, "pack_gate_up", cpu.pack)
+    want, plain = rows()
+    assert paired and not plain
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
