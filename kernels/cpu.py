@@ -153,14 +153,18 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (rc {rc}): out of memory or bad arguments")
 
 
+def _not_paired(p: Packed, what: str) -> None:
+    if p.swiglu:  # its outputs would come out in (gate, up) panel order
+        raise ValueError(f"{what}: a gate_up packed in (gate, up) pairs goes through linear_swiglu")
+
+
 @_profiled
 def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
     """x [n, in] float32 -> [n, out] float32 (y = x W.T + b). With residual,
     `out` holds x' and gets x' + (x W.T + b), rounded as torch would."""
     if p.parts != 1:
         raise ValueError("linear: a weight packed in pieces goes through linear_parts and combine")
-    if p.swiglu:
-        raise ValueError("linear: a gate_up packed in (gate, up) pairs goes through linear_swiglu")
+    _not_paired(p, "linear")
     x = _rows(x, p.inp, "linear: x")
     n = x.shape[0]
     if out is None:
@@ -177,6 +181,7 @@ def linear(x: torch.Tensor, p: Packed, out: torch.Tensor | None = None, residual
 def linear_parts(x: torch.Tensor, p: Packed) -> torch.Tensor:
     """x [n, in] float32 -> [p.parts, n, out]: piece i is x[:, i k:(i + 1) k]
     times its piece of the weight (k = in / parts), summed from zero; no bias."""
+    _not_paired(p, "linear_parts")
     x = _rows(x, p.inp, "linear_parts: x")
     n = x.shape[0]
     y = x.new_empty((p.parts, n, p.out))
@@ -189,6 +194,7 @@ def linear_parts_add(x: torch.Tensor, p: Packed, out: torch.Tensor, bias: torch.
     """out += combine(linear_parts(x, p), bias) in one call: the same bits;
     from a few hundred tokens the pieces are folded in cache, never written
     whole (the stack's o and down)."""
+    _not_paired(p, "linear_parts_add")
     x = _rows(x, p.inp, "linear_parts_add: x")
     n = x.shape[0]
     if out.dtype != torch.float32 or out.shape != (n, p.out) or out.stride(-1) != 1 or out.device.type != "cpu":

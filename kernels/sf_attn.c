@@ -298,8 +298,9 @@ int sf_attention(float *qkv, long ldqkv, int n, int nh, int nkv, int hd, const i
     double work = keys / n * hd * (nh / nkv); /* per (token, kv head) */
     j.chunk = work >= 16384 ? 1 : (int)(16384 / work);
     if (j.isa >= SF_ISA_AVX512 && hd % 8 == 0) {
-        int g_per = nh / nkv;
-        j.block_t = g_per >= ATTN_QMAX ? 1 : ATTN_QMAX / g_per;
+        int g_per = nh / nkv, runs = 0; /* runs: a feed with two tokens or more (a decode's blocks are single) */
+        for (int t = 1; t < n && !runs; t++) runs = feed_of[t] == feed_of[t - 1];
+        j.block_t = g_per >= ATTN_QMAX || !runs ? 1 : ATTN_QMAX / g_per;
         j.chunk = (j.chunk + j.block_t - 1) / j.block_t * j.block_t; /* whole blocks a task */
     }
     if (j.chunk > n) j.chunk = n;

@@ -201,23 +201,64 @@ int sf_layer_mlp(const sf_model *m, const sf_layer *L, const float *x, int n, fl
 /* A big step's tokens go through the layers in passes whose activations
  * (gate_up's outputs, SwiGLU's, q/k/v, the residual: PASS_BYTES) stay in
  * the last-level cache; one 4096-token pass sent gate_up's 50 MB to DRAM
- * and back. Rows are batch-invariant, so a pass changes no bit; only where
- * each feed's tokens come in order of position (every key a token reads
- * from this step is then written by its pass or an earlier one), and of at
+ * and back. Rows are batch-invariant, so a pass changes no bit, as long as
+ * no token reads a cell that a later pass writes (passes_safe), and of at
  * least the fold's tokens (o's and down's pieces stay folded in cache). */
 #define PASS_BYTES (8L << 20)
 static _Atomic long g_pass_bytes; /* 0: PASS_BYTES (sf_cpu_pass_bytes) */
 
 void sf_cpu_pass_bytes(long bytes) { atomic_store(&g_pass_bytes, bytes > 0 ? bytes : 0); }
 
-static int pass_tokens(const sf_model *m, int n, const int64_t *pos, const int64_t *feed_of, int nthreads) {
+typedef struct {
+    int64_t block, feed;
+} written;
+
+static int by_block(const void *a, const void *b) {
+    int64_t x = ((const written *)a)->block, y = ((const written *)b)->block;
+    return (x > y) - (x < y);
+}
+
+/* Whether every key a token reads from this step is written by its pass or
+ * an earlier one: feeds in order, each feed's positions increasing (its
+ * later tokens write only later positions), each token writing the cell its
+ * table names, and no block this step writes in another feed's table (the
+ * engine's copy-on-write keeps them apart; a step that shares one runs in
+ * one pass, every write before any read). */
+static int passes_safe(const sf_model *m, int n, const int64_t *pos, const int64_t *cells, const int64_t *feed_of,
+                       const int64_t *tables, int width) {
+    int page = m->page;
+    for (int t = 0; t < n; t++) {
+        if (t && (feed_of[t] < feed_of[t - 1] || (feed_of[t] == feed_of[t - 1] && pos[t] <= pos[t - 1]))) return 0;
+        const int64_t *row = tables + feed_of[t] * (long)width;
+        if (pos[t] < 0 || pos[t] / page >= width || cells[t] != row[pos[t] / page] * page + pos[t] % page) return 0;
+    }
+    written *w = (written *)malloc(sizeof(written) * n);
+    if (!w) return 0;
+    for (int t = 0; t < n; t++) w[t] = (written){cells[t] / page, feed_of[t]};
+    qsort(w, n, sizeof(written), by_block);
+    int ok = 1;
+    for (int a = 0, b; a < n && ok; a = b) { /* feed_of[a..b): one feed; its keys' blocks 0..pos[b-1] / page */
+        for (b = a + 1; b < n && feed_of[b] == feed_of[a];) b++;
+        const int64_t *row = tables + feed_of[a] * (long)width;
+        for (int64_t i = 0; i <= pos[b - 1] / page && ok; i++) {
+            written key = {row[i], 0}, *hit = (written *)bsearch(&key, w, n, sizeof(written), by_block);
+            if (!hit) continue;
+            while (hit > w && hit[-1].block == row[i]) hit--;
+            for (; hit < w + n && hit->block == row[i]; hit++)
+                if (hit->feed != feed_of[a]) ok = 0;
+        }
+    }
+    free(w);
+    return ok;
+}
+
+static int pass_tokens(const sf_model *m, int n, const int64_t *pos, const int64_t *cells, const int64_t *feed_of,
+                       const int64_t *tables, int width, int nthreads) {
     long budget = atomic_load(&g_pass_bytes), per = 4L * (3L * m->inter + (long)(m->nh + 2 * m->nkv) * m->hd +
                                                           2L * m->hidden);
     long ch = (budget ? budget : PASS_BYTES) / per, least = budget ? 1 : sf_fold_tokens(nthreads);
     if (ch < least) ch = least;
-    if (n < 2 * ch) return n;
-    for (int t = 1; t < n; t++)
-        if (feed_of[t] < feed_of[t - 1] || (feed_of[t] == feed_of[t - 1] && pos[t] <= pos[t - 1])) return n;
+    if (n < 2 * ch || !passes_safe(m, n, pos, cells, feed_of, tables, width)) return n;
     long passes = n / ch;
     return (int)((n + passes - 1) / passes); /* even passes, none under ch */
 }
@@ -225,7 +266,7 @@ static int pass_tokens(const sf_model *m, int n, const int64_t *pos, const int64
 int sf_forward(const sf_model *m, float *x, int n, const int64_t *pos, const int64_t *cells,
                const int64_t *feed_of, const int64_t *tables, int width, float *h, float *qkv, float *att,
                float *gu, float *act, float *parts, int nthreads) {
-    int ch = pass_tokens(m, n, pos, feed_of, nthreads);
+    int ch = pass_tokens(m, n, pos, cells, feed_of, tables, width, nthreads);
     for (int t0 = 0; t0 < n; t0 += ch) {
         int tn = n - t0 < ch ? n - t0 : ch;
         float *xc = x + (long)t0 * m->hidden;

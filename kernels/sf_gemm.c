@@ -173,7 +173,8 @@ int sf_linear_swiglu(const float *x, long ldx, int n, int K, const void *w, int 
                      float *act, long ldact, int nthreads) {
     if (n <= 0 || inter <= 0) return 0;
     if (K <= 0 || nthreads < 1 || wtype < WT_F32 || wtype > WT_BF16_AMX || inter % PANEL) return -1;
-    /* a task's panels start even and come in order (PANELS_PER_TASK is even): a pair's gate before its up */
+    /* a task's panels start even and come in order: a pair's gate before its up */
+    _Static_assert(PANELS_PER_TASK % 2 == 0, "a task's panels must hold whole (gate, up) pairs");
     linear_job j = {{x, ldx, n, K, 2 * inter, w, wtype, bias, act, ldact, 0, 0}, 2 * inter / PANEL, 0, 0,
                     sf_cpu_isa(), 0, 1, 0, 0, NULL};
     j.a.swiglu = 1 + j.isa;

@@ -133,9 +133,6 @@ void linear_task_avx512(const void *ctx, long task) {
         }
 }
 
-/* An epilogue's rows (a plain copy of nt rows of a panel) with 64-byte
- * non-temporal stores: each fills a write-combining line at once; y and
- * ldy * 4 are multiples of 64 (epilogue checked). */
 /* epilogue() for a whole panel, its operations in its order (elementwise:
  * the same bits at any width), 16 outputs a vector: a prefill's epilogues
  * were 4-wide loops behind a branch per row. */
@@ -162,6 +159,9 @@ __attribute__((target(T512))) void epilogue_panel512(const gemm_args *a, const f
     }
 }
 
+/* An epilogue's rows (a plain copy of nt rows of a panel) with 64-byte
+ * non-temporal stores: each fills a write-combining line at once; y and
+ * ldy * 4 are multiples of 64 (epilogue checked). */
 __attribute__((target(T512))) void stream_panel512(float *y, long ldy, const float *acc, int lda, int nt) {
     for (int t = 0; t < nt; t++) _mm512_stream_ps(y + t * ldy, _mm512_loadu_ps(acc + t * lda));
     _mm_sfence();

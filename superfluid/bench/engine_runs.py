@@ -108,9 +108,11 @@ def run_hf(model, prompts: np.ndarray, gen: int, device: str, repeats: int = 1) 
             t0 = time.perf_counter()
             # The prefill generate runs: logits for the last position only (as ours); a forward
             # with every position's logits does the LM head prompt-length times over (~1.6x here).
-            model(ids, attention_mask=mask, logits_to_keep=1)
+            logits = model(ids, attention_mask=mask, logits_to_keep=1).logits
             sync(device)
             prefills.append(time.perf_counter() - t0)
+            if logits.shape[1] != 1:  # (a transformers that ignores the option: the comparison would be off)
+                raise RuntimeError(f"HF's forward kept {logits.shape[1]} positions' logits, not the last one's")
             # Decode: generate(gen) less generate(1), which is the prefill and its first token. A few
             # short decode steps can drown in the noise of a loaded machine: measure again then.
             for _ in range(3):

@@ -53,8 +53,12 @@ def case(seed, dtype, nkv, g, d, page, lens, starts):
              torch.randn(nkv, at + 1, page, d, generator=gen).to(dtype))
     q = torch.randn(n, nkv * g, d, generator=gen)
     k, v = torch.randn(n, nkv, d, generator=gen), torch.randn(n, nkv, d, generator=gen)
-    ang = torch.arange(512.)[:, None] * 0.02 * torch.arange(1., d // 2 + 1)
-    return q, k, v, feeds, pools, torch.cos(ang), torch.sin(ang)
+    return (q, k, v, feeds, pools, *rope(d, 512))
+
+
+def rope(d: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.arange(float(positions))[:, None] * 0.02 * torch.arange(1., d // 2 + 1)
+    return torch.cos(ang), torch.sin(ang)
 
 
 def assert_paths_agree(q, k, v, feeds, pools, cos, sin, norms=(None, None)):
@@ -106,8 +110,21 @@ def test_a_later_tokens_key_and_value_never_reach_an_earlier_row(path):
     assert got[5:].isnan().all()  # the control: those rows do read them
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nkv,g,d", [(2, 6, 40), (1, 7, 256), (1, 16, 64), (8, 1, 128)])
+def test_long_contexts_big_heads_and_wide_groups_on_every_path_and_thread_count(dtype, nkv, g, d):
+    # contexts past 2000 keys, prefills split over tasks, a decode batch; 1, 2 and 7 threads
+    args = case(d + g, dtype, nkv, g, d, 16, [37, 1, 1, 1, 23, 3, 1, 1], [0, 1500, 2001, 63, 777, 1, 900, 5])
+    args = (*args[:5], *rope(d, 2100))
+    for t in (1, 2, 7):
+        cpu.set_threads(t)
+        try:
+            assert_paths_agree(*args)
+        finally:
+            cpu.set_threads(None)
+
+
 def test_a_nan_key_and_an_inf_value_give_the_same_bits_on_every_path():
-    need_avx512()
     q, k, v, feeds, pools, cos, sin = case(12, torch.bfloat16, 2, 4, 32, 8, [5, 1], [3, 20])
     pools[1][0, 0, 2, 0] = float("inf")  # the first feed's cached position 2, KV head 0: a value
     pools[0][1, 1, 4, 7] = float("nan")  # the second feed's cached position 4, KV head 1: a key

@@ -72,18 +72,19 @@ def test_a_linear_row_is_the_same_in_any_batch_position_thread_count_and_isa(dty
     assert not torch.equal(full[0], full[1])  # rows differ: the equalities above are not vacuous
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter,inp", [(16, 24), (48, 96), (1536, 512)])
-def test_swiglu_from_the_gemms_epilogue_is_linear_then_silu_mul(dtype, inter, inp, threads):
+@pytest.mark.parametrize("numeric", ["fp32", "bf16-fma", "bf16-dot"])
+@pytest.mark.parametrize("inter,inp", [(16, 7), (48, 33), (1536, 512)])
+def test_swiglu_from_the_gemms_epilogue_is_linear_then_silu_mul(numeric, inter, inp, threads):
     """gate_up packed in (gate, up) panel pairs: linear_swiglu's one call
-    gives the bits of linear then silu_mul on the plain packing, at every
-    token count (the GEMV paths, tile tails, several blocks), thread count
-    and path, with and without a bias."""
-    torch.manual_seed(inter)
+    gives the bits of linear then silu_mul on the plain packing, in every
+    class, at every token count (the GEMV paths, tile tails, several blocks),
+    thread count and path, with and without a bias; odd reductions too."""
+    torch.manual_seed(inter + inp)
+    dtype, cls = (torch.float32, None) if numeric == "fp32" else (torch.bfloat16, numeric)
     w, b = torch.randn(2 * inter, inp).to(dtype), torch.randn(2 * inter)
     x = torch.randn(300, inp) * 2
     for bias in (None, b):
-        paired, plain = cpu.pack_gate_up(w, bias), cpu.pack(w, bias)
+        paired, plain = cpu.pack_gate_up(w, bias, numeric=cls), cpu.pack(w, bias, numeric=cls)
         assert paired.swiglu and not plain.swiglu
         if paired.numeric_class == "bf16-amx":
             levels = [cpu.ISA_LEVELS["amx-bf16"]]
@@ -390,6 +391,34 @@ def test_the_paired_gate_up_gives_the_plain_gate_ups_rows(tmp_path, dtype, threa
     want, plain = rows()
     assert paired and not plain
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("order", ["early first", "late first"])
+def test_a_step_whose_feeds_share_a_written_block_runs_in_one_pass(tmp_path, order, threads):
+    # two feeds on one block table: the one with the later positions first would read, in an early
+    # pass, cells the other writes in a later one; sf_forward must see it and take one pass
+    from superfluid.engine import load
+    from superfluid.engine.tiny import write_tiny
+    from superfluid.kernels.cpu_step import StepLayout
+
+    threads(1)
+    write_tiny(tmp_path, arch="qwen3", seed=4, tokenizer=False)
+
+    def run(budget):
+        cpu.pass_bytes(budget)
+        try:
+            rt = load(tmp_path, "torch", kv_cells=2048, dtype=torch.float32)
+            page, k = rt.pool.page, 8
+            blocks = rt.pool.alloc((2 * k + page - 1) // page)
+            early, late = list(range(k)), list(range(k, 2 * k))
+            pos = torch.tensor(early + late if order == "early first" else late + early)
+            cells = torch.tensor([blocks[p // page] * page + p % page for p in pos.tolist()])
+            lay = StepLayout(pos, cells, torch.tensor([0] * k + [1] * k), torch.tensor([blocks, blocks]), page)
+            return rt.model._forward_stack(torch.arange(1, 2 * k + 1), lay, rt.pool.k, rt.pool.v, None, None)
+        finally:
+            cpu.pass_bytes(None)
+
+    assert torch.equal(run(1), run(None))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
