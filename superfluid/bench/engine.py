@@ -66,7 +66,7 @@ import torch
 
 from superfluid.bench import peers as peer_runs, system
 from superfluid.bench.engine_isa import isa_key, isa_list, isa_names, isa_runs
-from superfluid.bench.engine_runs import load_hf, run_hf, run_ours
+from superfluid.bench.engine_runs import HfRounds, load_hf, run_ours
 from superfluid.bench.roofline import PER_BATCH, g4, rates, weight_bytes
 
 BATCHES = (1, 8, 32, 64)
@@ -129,9 +129,10 @@ def _model_rows(name: str, path: Path, batches: tuple[int, ...], prompt_len: int
     hf_model = load_hf(path, dtype, device)
     tag = f"{name} {str(dtype).removeprefix('torch.')}"
     for b, prompts in _prompts(batches, prompt_len, cfg.vocab_size).items():
+        hf_rounds = HfRounds(hf_model, prompts, gen, device)  # a round of HF's after each of ours
         ours = run_ours(path, prompts, gen, True, dtype=dtype, device=device, backend=backend, profile=profile,
-                     repeats=repeats)
-        hf = run_hf(hf_model, prompts, gen, device, repeats)
+                        repeats=repeats, between=hf_rounds.round)
+        hf = hf_rounds.result()
         key = str(b)
         tokens[b] = ours["tokens"]
         res["numeric_class"] = ours["numeric_class"]

@@ -1,10 +1,13 @@
 """One measured run of our engine and of HF transformers on the same
 prompts (bench engine's rows): prefill, then gen - 1 greedy decode steps,
-`repeats` rounds, the median round's times."""
+`repeats` rounds, the median round's times. A shared machine's speed
+wanders over minutes (here +-20%): HF's rounds run between ours (`between`),
+so both see the same moments."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,12 @@ def profile_step(rt, feeds, specs, device: str) -> tuple[str, dict[str, Any]]:
 
 
 def run_ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtype: torch.dtype, device: str,
-          backend: str, profile: bool = False, repeats: int = 1) -> dict[str, Any]:
+          backend: str, profile: bool = False, repeats: int = 1,
+          between: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Our prefill and gen - 1 decode steps, `repeats` times on fresh
     sequences: the median round's times (the machine's noise only slows a
-    round), the first round's tokens (every round's must be the same)."""
+    round), the first round's tokens (every round's must be the same).
+    `between`: run after each round, untimed (a baseline's round)."""
     from superfluid.engine import Feed, SampleSpec, load
 
     b, p = prompts.shape
@@ -76,6 +81,8 @@ def run_ours(path: Path, prompts: np.ndarray, gen: int, invariant: bool, *, dtyp
             res_profile = profile_step(rt, [Feed(s, [t], True) for s, t in zip(seqs, toks)], greedy, device)
         for s in seqs:
             rt.seq_free(s)
+        if between is not None:
+            between()
     mid = sorted(rounds, key=lambda x: x[1])[len(rounds) // 2]  # the median decode's round
     res: dict[str, Any] = {"prefill_s": float(np.median([x[0] for x in rounds])), "decode_s": mid[1],
                            "kernel_s": mid[2], "tokens": first, "numeric_class": rt.desc.numeric_class,
@@ -94,23 +101,32 @@ def load_hf(path: Path, dtype: torch.dtype, device: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def run_hf(model, prompts: np.ndarray, gen: int, device: str, repeats: int = 1) -> dict[str, Any]:
-    """HF's prefill (a forward) and decode, `repeats` times: the medians."""
-    ids = torch.from_numpy(prompts).long().to(device)
-    mask = torch.ones_like(ids)
-    p = ids.shape[1]
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
-    prefills, decodes = [], []
-    with torch.inference_mode():
-        model.generate(ids[:, :8], max_new_tokens=2, **{**kw, "attention_mask": mask[:, :8]})
-        for _ in range(max(1, repeats)):
-            sync(device)
+class HfRounds:
+    """HF's prefill (a forward keeping the last position's logits, as
+    generate's) and decode (generate(gen) less generate(1)), one round a
+    call; `result` gives the medians."""
+
+    def __init__(self, model, prompts: np.ndarray, gen: int, device: str):
+        self.model, self.gen, self.device = model, gen, device
+        self.ids = torch.from_numpy(prompts).long().to(device)
+        self.mask = torch.ones_like(self.ids)
+        self.kw = dict(attention_mask=self.mask, do_sample=False, pad_token_id=0)
+        self.prefills: list[float] = []
+        self.decodes: list[float] = []
+        self.out: torch.Tensor | None = None
+        with torch.inference_mode():
+            model.generate(self.ids[:, :8], max_new_tokens=2, **{**self.kw, "attention_mask": self.mask[:, :8]})
+
+    def round(self) -> None:
+        model, ids, kw, gen = self.model, self.ids, self.kw, self.gen
+        with torch.inference_mode():
+            sync(self.device)
             t0 = time.perf_counter()
             # The prefill generate runs: logits for the last position only (as ours); a forward
             # with every position's logits does the LM head prompt-length times over (~1.6x here).
-            logits = model(ids, attention_mask=mask, logits_to_keep=1).logits
-            sync(device)
-            prefills.append(time.perf_counter() - t0)
+            logits = model(ids, attention_mask=self.mask, logits_to_keep=1).logits
+            sync(self.device)
+            self.prefills.append(time.perf_counter() - t0)
             if logits.shape[1] != 1:  # (a transformers that ignores the option: the comparison would be off)
                 raise RuntimeError(f"HF's forward kept {logits.shape[1]} positions' logits, not the last one's")
             # Decode: generate(gen) less generate(1), which is the prefill and its first token. A few
@@ -118,12 +134,18 @@ def run_hf(model, prompts: np.ndarray, gen: int, device: str, repeats: int = 1) 
             for _ in range(3):
                 t1 = time.perf_counter()
                 model.generate(ids, max_new_tokens=1, **kw)
-                sync(device)
+                sync(self.device)
                 t2 = time.perf_counter()
-                out = model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw).cpu()
+                self.out = model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw).cpu()
                 t3 = time.perf_counter()
                 if (t3 - t2) - (t2 - t1) > 0:
                     break
-            decodes.append(max(1e-9, (t3 - t2) - (t2 - t1)))
-    return {"prefill_s": float(np.median(prefills)), "decode_s": float(np.median(decodes)),
-            "tokens": out[:, p:].numpy()}
+            self.decodes.append(max(1e-9, (t3 - t2) - (t2 - t1)))
+
+    def result(self) -> dict[str, Any]:
+        if self.out is None:
+            self.round()
+        assert self.out is not None
+        return {"prefill_s": float(np.median(self.prefills)), "decode_s": float(np.median(self.decodes)),
+                "tokens": self.out[:, self.ids.shape[1]:].numpy()}
+
