@@ -148,4 +148,3 @@ class HfRounds:
         assert self.out is not None
         return {"prefill_s": float(np.median(self.prefills)), "decode_s": float(np.median(self.decodes)),
                 "tokens": self.out[:, self.ids.shape[1]:].numpy()}
-
