@@ -43,7 +43,6 @@ __attribute__((target("avx2,fma"))) static void dot4_avx2(const float *a, const 
 }
 #endif
 
-
 #if SF_X86
 /* norm_rope's multiplies and adds, 8 elements at a time (no fma: the same
  * roundings as the scalar loop); returns how many of `half` it did. */
@@ -99,7 +98,6 @@ static void store_cell(const attn_args *a, void *pool, int g, int64_t cell, cons
         memcpy((float *)pool + at, src, sizeof(float) * a->hd);
     }
 }
-
 
 
 #if SF_X86
